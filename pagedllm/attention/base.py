@@ -1,0 +1,30 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Paged attention: writes the step's K/V into the pool, then attends through block tables."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build per-step structures (masks, index maps) once, before the layers run."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D] new keys of this step
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [Hkv, num_slots, D] this layer's pool
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...

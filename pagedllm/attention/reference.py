@@ -1,0 +1,44 @@
+"""Reference backend: gather each sequence's K/V through its block table, then SDPA.
+
+Slow (a dense copy per sequence and a Python loop) but obviously right: the oracle
+the fast backends are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata, write_kv
+
+
+def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Dense ``[Hkv, seq_len, D]`` copy of one sequence's cached K or V."""
+    n_blocks = (seq_len + block_size - 1) // block_size
+    slots = (block_table[:n_blocks].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+    return cache.index_select(1, slots)
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        return None
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[0]
+        starts = meta.query_start_loc.tolist()
+        for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            qi = q[starts[i] : starts[i] + q_len].transpose(0, 1)  # [H, q_len, D]
+            ki = gather_sequence_kv(k_cache, meta.block_tables[i], s_len, meta.block_size).to(q.dtype)
+            vi = gather_sequence_kv(v_cache, meta.block_tables[i], s_len, meta.block_size).to(q.dtype)
+            ki = ki.repeat_interleave(group, dim=0)
+            vi = vi.repeat_interleave(group, dim=0)
+            # query j sits at position s_len - q_len + j and sees keys 0..that position
+            q_pos = torch.arange(s_len - q_len, s_len)[:, None]
+            mask = torch.arange(s_len)[None, :] <= q_pos
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            out[starts[i] : starts[i] + q_len] = oi.transpose(0, 1)
+        return out

