@@ -1,0 +1,257 @@
+"""Continuous batching with one token budget per step.
+
+Each step: running requests first (one decode token, or the next prefill chunk), then
+swapped requests come back, then waiting requests are admitted while the budget, the
+running-sequence cap and free blocks allow. Prefill chunks and decodes share a step.
+When the pool runs dry the most recently admitted request is preempted: by recompute
+(its blocks are freed but stay findable in the prefix cache, so it re-hits its own
+prefix) or by swap to the host tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedllm.kv.kv_cache_manager import KVCacheManager
+
+log = logging.getLogger("pagedllm.scheduler")
+
+LPM_MAX_QUEUE = 128  # longer queues fall back to FCFS: matching every prompt each step gets too dear
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+    policy: str = "fcfs"  # or "lpm"
+    lpm_lambda: float = 10.0  # tokens of matched prefix worth one second of waiting
+    batching: str = "continuous"  # or "static": admit a new batch only when the last has finished
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "lpm"):
+            raise ValueError(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """The chunk reaches the sequence's last token, so the step yields a next-token distribution."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), applied first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Request] = field(default_factory=list)
+    num_prefix_hit_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+        self.kv = kv
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queues
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop a finished or aborted request and release every block its sequences hold."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        for seq in req.seqs:
+            if self.kv.has_seq(seq.seq_id):
+                self.kv.free(seq.seq_id)
+
+    def num_running_seqs(self) -> int:
+        return sum(1 for r in self.running for s in r.seqs if not s.finished)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ----------------------------------------------------------------- step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = [self.config.max_num_batched_tokens]
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if self._schedule_seqs(req, budget, out, scheduled, partial_ok=True):
+                i += 1
+                continue
+            victim = self.running[-1]
+            self._preempt(victim, out, budget, scheduled)
+            if victim is req:
+                break
+        if not out.preempted:
+            self._swap_in(budget, out, scheduled)
+        if not out.preempted and not self.swapped:
+            self._admit(budget, out, scheduled)
+        out.copies = self.kv.take_pending_copies()
+        return out
+
+    def _schedule_seqs(self, req: Request, budget: list[int], out: SchedulerOutput, scheduled: set[int],
+                       partial_ok: bool, prefix_first: bool = False) -> bool:
+        """Give each unfinished sequence of ``req`` its next chunk; False if blocks ran out."""
+        beam = req.params.use_beam_search and len(req.seqs) > 1
+        if beam and sum(s.num_uncomputed for s in req.seqs if not s.finished and s.seq_id not in scheduled) > budget[0]:
+            return True  # beams advance together: wait for a step with room for all of them
+        for seq in req.seqs:
+            if seq.finished or seq.seq_id in scheduled or seq.num_uncomputed == 0:
+                continue
+            prefix = None
+            if prefix_first and seq.num_computed == 0 and self.config.enable_prefix_caching:
+                prefix = self.kv.match_prefix(seq.token_ids, req.cache_salt)
+                if prefix.num_tokens == 0:
+                    prefix = None
+            hit = prefix.num_tokens if prefix else 0
+            need = seq.num_uncomputed - hit
+            n = min(need, budget[0])
+            if n < need and (beam or not (partial_ok and self.config.enable_chunked_prefill)):
+                continue  # waits for a step with room for all of it
+            if n == 0:
+                continue
+            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed + hit, n, prefix):
+                return False
+            if hit:
+                seq.num_computed += hit
+                req.metrics.num_cached_tokens += hit
+                out.num_prefix_hit_tokens += hit
+            seq.status = SequenceStatus.PREFILLING if seq.num_uncomputed > 1 else SequenceStatus.DECODING
+            budget[0] -= n
+            scheduled.add(seq.seq_id)
+            out.chunks.append(ScheduledChunk(seq, n))
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput, budget: list[int], scheduled: set[int]) -> None:
+        """Release ``req``'s blocks (recompute) or move them to the host tier (swap)."""
+        self.running.remove(req)
+        dropped = [c for c in out.chunks if c.seq.request is req]
+        out.chunks = [c for c in out.chunks if c.seq.request is not req]
+        budget[0] += sum(c.num_tokens for c in dropped)
+        live = [s for s in req.seqs if not s.finished]
+        for s in live:
+            scheduled.discard(s.seq_id)
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        # allocations made this step for dropped chunks are released with the sequence
+        if self.config.preemption_mode == "swap" and self._swap_out(live, out):
+            self.swapped.append(req)
+            log.info("preempted request %s by swap (%d seqs)", req.request_id, len(live))
+            return
+        for s in live:
+            if self.kv.has_seq(s.seq_id):
+                self.kv.free(s.seq_id)
+            s.num_computed = 0
+            s.num_hashed = 0
+            s.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        log.info("preempted request %s by recompute (%d seqs)", req.request_id, len(live))
+
+    def _swap_out(self, seqs: list[Sequence], out: SchedulerOutput) -> bool:
+        pairs: list[tuple[int, int]] = []
+        for i, s in enumerate(seqs):
+            got = self.kv.swap_out(s.seq_id)
+            if got is None:  # host tier full: undo this request's swap-outs, recompute instead
+                for t in seqs[:i]:
+                    back = self.kv.swap_in(t.seq_id)
+                    assert back is not None, "blocks freed by swap-out must be reclaimable"
+                out.swap_out = [p for p in out.swap_out if p not in pairs]
+                return False
+            pairs += got
+            s.status = SequenceStatus.SWAPPED
+        out.swap_out += pairs
+        return True
+
+    def _swap_in(self, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> None:
+        while self.swapped:
+            req = self.swapped[0]
+            live = [s for s in req.seqs if not s.finished]
+            pairs: list[tuple[int, int]] = []
+            for i, s in enumerate(live):
+                got = self.kv.swap_in(s.seq_id)
+                if got is None:
+                    for t in live[:i]:
+                        assert self.kv.swap_out(t.seq_id) is not None
+                    return
+                pairs += got
+            out.swap_in += pairs
+            self.swapped.popleft()
+            self.running.append(req)
+            for s in live:
+                s.status = SequenceStatus.DECODING
+            if not self._schedule_seqs(req, budget, out, scheduled, partial_ok=True):
+                return
+
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE and self.config.enable_prefix_caching:
+            now = time.monotonic()
+
+            def priority(r: Request) -> float:
+                matched = self.kv.match_prefix(r.seqs[0].token_ids, r.cache_salt).num_tokens
+                return matched + self.config.lpm_lambda * (now - r.arrival_time)
+
+            best = max(self.waiting, key=priority)
+            self.waiting.remove(best)
+            return best
+        return self.waiting.popleft()
+
+    def _admit(self, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> None:
+        if self.config.batching == "static" and self.running:
+            return
+        while self.waiting and budget[0] > 0:
+            req = self.waiting[0]
+            live = sum(1 for s in req.seqs if not s.finished)
+            if self.num_running_seqs() + live > self.config.max_num_seqs:
+                return
+            req = self._next_waiting()
+            before, cached, hit = len(out.chunks), req.metrics.num_cached_tokens, out.num_prefix_hit_tokens
+            if not self._schedule_seqs(req, budget, out, scheduled, partial_ok=True, prefix_first=True) or (
+                len(out.chunks) == before
+            ):
+                # no blocks (or no budget) for it now: release what it got and keep it first in line
+                for c in out.chunks[before:]:
+                    budget[0] += c.num_tokens
+                    scheduled.discard(c.seq.seq_id)
+                out.chunks = out.chunks[:before]
+                for s in req.seqs:
+                    if self.kv.has_seq(s.seq_id):
+                        self.kv.free(s.seq_id)
+                    s.num_computed = 0
+                    s.num_hashed = 0
+                req.metrics.num_cached_tokens, out.num_prefix_hit_tokens = cached, hit
+                self.waiting.appendleft(req)
+                return
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(req)
