@@ -1,0 +1,67 @@
+"""Prefix reuse across requests and beam search against Hugging Face."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+
+def test_shared_system_prompt_computed_once(tiny_model_dir):
+    """32 requests sharing a 500-token system prompt: it is prefilled once and its blocks are shared."""
+    system = [1000 + (i * 37) % 20000 for i in range(500)]
+    prompts = [system + [30000 + i, 30100 + i, 30200 + i] for i in range(32)]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    used = {}
+    computed = {}
+    for caching in (True, False):
+        llm = LLM(tiny_model_dir, kv_cache_memory=256 << 20, enable_prefix_caching=caching, check_integrity=True,
+                  max_num_batched_tokens=4096)
+        eng = llm.engine
+        llm.generate([prompts[0]], sp, use_tqdm=False)  # warm the cache with one request
+        reqs = [eng.add_request(p, sp) for p in prompts[1:]]
+        peak = 0
+        while eng.has_unfinished():
+            eng.step()
+            peak = max(peak, eng.kv.stats()["used"])
+        used[caching], computed[caching] = peak, eng.stats.prompt_tokens_computed
+        assert all(r.finished for r in reqs)
+        eng.kv.check_integrity()
+        assert eng.kv.stats()["used"] == 0
+        if caching:
+            assert all(r.metrics.num_cached_tokens == 496 for r in reqs)  # 31 full blocks of the system prompt
+    assert computed[True] == 503 + 31 * 7  # prompt once, then each request's uncached tail (496 cached)
+    assert computed[False] == 32 * 503
+    assert used[True] < used[False]
+
+
+def test_cache_salt_isolates_tenants(tiny_model_dir):
+    llm = LLM(tiny_model_dir, kv_cache_memory=64 << 20)
+    prompt = list(range(200, 300))
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], sp, use_tqdm=False, cache_salt="tenant-a")
+    other = llm.generate([prompt], sp, use_tqdm=False, cache_salt="tenant-b")[0]
+    same = llm.generate([prompt], sp, use_tqdm=False, cache_salt="tenant-a")[0]
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 96
+
+
+@pytest.mark.slow
+def test_beam_search_matches_hf(smollm2_path, wiki_texts):
+    """Width-4 beam search equals HF generate(num_beams=4, do_sample=False, early_stopping=True)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory=128 << 20, check_integrity=True)
+    tok = llm.tokenizer
+    prompts = [tok.encode(t)[:12 + 5 * i] for i, t in enumerate(wiki_texts[10:15])]
+    sp = SamplingParams(use_beam_search=True, beam_width=4, temperature=0, max_tokens=10, length_penalty=1.0)
+    ours = llm.generate(prompts, sp, use_tqdm=False)
+    for p, o in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), num_beams=4, do_sample=False, early_stopping=True, max_new_tokens=10,
+                          length_penalty=1.0, pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
+        while ref and ref[-1] == tok.eos_token_id and len(ref) > len(o.outputs[0].token_ids):
+            ref.pop()  # HF pads finished hypotheses with eos
+        assert o.outputs[0].token_ids == ref
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.stats()["used"] == 0
