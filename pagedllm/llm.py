@@ -61,13 +61,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                       for m in messages):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return apply_chat_template(self.tokenizer, messages)
 
     def _run(self, reqs, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
@@ -84,3 +78,14 @@ class LLM:
                             run=eng.scheduler.num_running_seqs(), wait=len(eng.scheduler.waiting), refresh=False)
         bar.close()
         return [eng.output(r) for r in reqs]
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    """Prompt token ids for a conversation, ending with the assistant's turn; shared by ``LLM`` and the server."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in messages):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
