@@ -1,0 +1,84 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embeddings (with rope scaling).
+
+Every op works on a flat batch of tokens ``[T, ...]`` from many sequences at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 like Hugging Face's ``LlamaRMSNorm``.
+
+    For fp32 inputs this is one fused ATen op; for low-precision inputs the normalisation runs
+    in float32 and the result is cast back before the weight multiply (HF's order).
+    """
+    if x.dtype == torch.float32:
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight  # per-head weights [N, D]
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return y * weight
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), with Llama-3 / linear rope scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    rope_type = "default"
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; pagedllm implements {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def rope_cos_sin(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Precomputed ``cos, sin`` tables ``[max_positions, head_dim // 2]`` (computed in float32)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, N, D]`` (Hugging Face's rotate-half layout) by per-token ``cos, sin [T, D/2]``.
+
+    Same arithmetic as HF's ``x * cos + rotate_half(x) * sin`` (the halves of its duplicated
+    tables are equal), on the whole batch and all heads at once.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    out = torch.empty(x.shape, dtype=x.dtype)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1)
+    o1.sub_(x2 * s)
+    torch.mul(x2, c, out=o2)
+    o2.add_(x1 * s)
+    return out
