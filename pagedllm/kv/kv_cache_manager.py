@@ -1,0 +1,386 @@
+"""KVCacheManager: the only KV interface the scheduler uses (see docs/architecture.md).
+
+It owns the block pool, the prefix cache, every sequence's block table and the host (swap) tier,
+and hands the model runner three kinds of block copies per step. Apply them in this order, once
+per step, before the forward: ``swap_out`` pairs, then ``swap_in`` pairs, then the copy-on-write
+pairs from ``take_pending_copies()``. Calling ``take_pending_copies()`` also ends the step: blocks
+that this step's copies still read (a CoW source whose last holder left, host blocks just
+swapped in) are only recycled then, so no copy of the step can read a block another one wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.block_table import BlockTable
+from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, extra_keys_for, hash_block_chain
+
+SeqId = Hashable
+BlockPairs = list[tuple[int, int]]
+
+__all__ = ["KVCacheManager", "PrefixMatch"]
+
+
+@dataclass(slots=True)
+class _Seq:
+    table: BlockTable
+    hashes: list[int] = field(default_factory=list)  # chain hashes of its leading full blocks
+    num_registered: int = 0  # leading full blocks already offered to the prefix cache
+    host_blocks: list[int] | None = None  # where its KV lives while swapped out
+
+
+class KVCacheManager:
+    """Paged KV bookkeeping: allocation, prefix sharing, fork + copy-on-write, swap."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.pool = BlockPool(num_blocks, block_size)
+        self.prefix_cache = PrefixCache(self.pool)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_host_blocks = num_host_blocks
+        self._seqs: dict[SeqId, _Seq] = {}
+        self._pending: dict[int, int] = {}  # CoW copies of this step, dst -> src
+        self._pending_src: dict[int, int] = {}  # src -> number of pending copies reading it
+        self._deferred: list[int] = []  # blocks whose last holder left while a pending copy reads them
+        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._host_deferred: list[int] = []  # host blocks a swap-in of this step still reads
+        self._swapped_in_now: set[SeqId] = set()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def has_seq(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        return self._seq(seq_id).host_blocks is not None
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """A copy of the sequence's physical block ids (empty while swapped out)."""
+        return list(self._seq(seq_id).table.block_ids)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now, cached-free ones included."""
+        return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by the prefix cache (in use or cached-free)."""
+        return len(self.prefix_cache)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks held by sequences (cached-free blocks count as free)."""
+        return self.pool.num_used / self.num_blocks
+
+    def blocks_needed(self, seq_id: SeqId | None, num_total_tokens: int) -> int:
+        """New blocks a sequence (None: a new one) needs to hold ``num_total_tokens`` tokens,
+        not counting copy-on-write or prefix hits."""
+        have = 0 if seq_id is None or seq_id not in self._seqs else len(self._seqs[seq_id].table)
+        return max(-(-num_total_tokens // self.block_size) - have, 0)
+
+    def _seq(self, seq_id: SeqId) -> _Seq:
+        st = self._seqs.get(seq_id)
+        if st is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return st
+
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PrefixMatch:
+        """Longest cached prefix of a prompt (full blocks, token ids verified, at least one token
+        left to compute). Takes no references: pass it to ``allocate_slots`` right away. Each call
+        counts as one query in ``stats()``."""
+        if not self.enable_prefix_caching:
+            return PrefixMatch()
+        return self.prefix_cache.match(token_ids, extra_keys_for(cache_salt))
+
+    def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
+        """Hash and register the sequence's full blocks not registered yet. ``token_ids`` are all
+        tokens whose KV is computed; idempotent and O(1) when no block filled up."""
+        if not self.enable_prefix_caching:
+            return
+        st = self._seq(seq_id)
+        bs = self.block_size
+        table = st.table.block_ids
+        n_full = min(len(token_ids) // bs, len(table))
+        if n_full <= st.num_registered:
+            return
+        k = len(st.hashes)
+        if k < n_full:
+            parent = st.hashes[-1] if k else None
+            st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs, extra_keys_for(cache_salt))
+        for i in range(st.num_registered, n_full):
+            self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs])
+        st.num_registered = n_full
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        seq_id: SeqId,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        prefix: PrefixMatch | None = None,
+    ) -> bool:
+        """Make the sequence's table cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        ``prefix`` (first call only) must come from ``match_prefix`` with ``num_computed_tokens ==
+        prefix.num_tokens``; its blocks join the table with one more reference each. Every shared
+        block in the write range ``[num_computed, num_computed + num_new)`` is replaced by a fresh
+        one (copy-on-write; the copy is queued only when the block holds computed tokens). False
+        means not enough free blocks (or the prefix went stale since the match) and nothing
+        changed. A sequence that could never fit in the whole pool raises ValueError.
+        """
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError("token counts must be >= 0")
+        pool, bs = self.pool, self.block_size
+        st = self._seqs.get(seq_id)
+        if st is not None and st.host_blocks is not None:
+            raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap_in first")
+        table = st.table.block_ids if st is not None else []
+        pre = prefix.blocks if prefix is not None else []
+        if pre:
+            if table:
+                raise ValueError("a prefix can only be passed on a sequence's first allocation")
+            if num_computed_tokens != prefix.num_tokens:  # type: ignore[union-attr]
+                raise ValueError(
+                    f"num_computed_tokens {num_computed_tokens} != prefix.num_tokens {prefix.num_tokens}"  # type: ignore[union-attr]
+                )
+            if any(pool.blocks[b].block_hash != h for b, h in zip(pre, prefix.hashes)):  # type: ignore[union-attr]
+                return False  # a matched block was handed out since the match
+        total = num_computed_tokens + num_new_tokens
+        need_len = -(-total // bs)
+        if need_len > self.num_blocks:
+            raise ValueError(
+                f"sequence {seq_id!r} needs {need_len} blocks for {total} tokens but the pool has only "
+                f"{self.num_blocks} blocks of {bs} tokens"
+            )
+        have = len(table) + len(pre)
+        if num_computed_tokens > have * bs:
+            raise ValueError(
+                f"sequence {seq_id!r}: {num_computed_tokens} computed tokens but its table holds {have * bs} slots"
+            )
+        first = num_computed_tokens // bs
+        write = range(first, min(-(-total // bs), len(table))) if num_new_tokens else range(0)
+        cow = {i for i in write if pool.blocks[table[i]].ref_count > 1}
+        revive = sum(pool.blocks[b].ref_count == 0 for b in pre)
+        new = max(need_len - have, 0)
+        if new + len(cow) + revive > pool.num_free:
+            return False
+
+        if st is None:
+            st = self._seqs[seq_id] = _Seq(BlockTable(bs))
+            table = st.table.block_ids
+        if pre:
+            for b in pre:
+                pool.incref(b)
+            table.extend(pre)
+            st.hashes = list(prefix.hashes)  # type: ignore[union-attr]
+            st.num_registered = len(pre)
+        if num_new_tokens:
+            # Blocks from ``first`` on are (re)written: their old hashes no longer describe them.
+            del st.hashes[first:]
+            st.num_registered = min(st.num_registered, first)
+            for i in write:
+                old = table[i]
+                if i in cow:
+                    table[i] = pool.allocate()
+                    if i == first and num_computed_tokens % bs:
+                        self._queue_copy(old, table[i])
+                    self._release(old)
+                elif pool.blocks[old].block_hash is not None:
+                    self.prefix_cache.remove(old)  # private cached block about to change
+        for _ in range(new):
+            table.append(pool.allocate())
+        return True
+
+    def take_pending_copies(self) -> BlockPairs:
+        """This step's copy-on-write copies as (src, dst) device blocks; ends the step."""
+        pairs = [(src, dst) for dst, src in self._pending.items()]
+        self._pending.clear()
+        self._pending_src.clear()
+        for b in self._deferred:
+            self.pool.free(b)
+        self._deferred.clear()
+        self._host_free += self._host_deferred
+        self._host_deferred.clear()
+        self._swapped_in_now.clear()
+        return pairs
+
+    def _queue_copy(self, src: int, dst: int) -> None:
+        src = self._pending.get(src, src)  # src itself only gets its content from a pending copy
+        self._pending[dst] = src
+        self._pending_src[src] = self._pending_src.get(src, 0) + 1
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference held by a table; a block still read by a pending copy waits."""
+        b = self.pool.blocks[block_id]
+        if b.ref_count == 1:
+            if block_id in self._pending_src:
+                self._deferred.append(block_id)
+                return
+            src = self._pending.pop(block_id, None)  # nobody will read this copy's result
+            if src is not None:
+                self._pending_src[src] -= 1
+                if not self._pending_src[src]:
+                    del self._pending_src[src]
+        self.pool.free(block_id)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """The child shares every block of the parent (one more reference each)."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        p = self._seq(parent_id)
+        if p.host_blocks is not None:
+            raise RuntimeError(f"cannot fork swapped-out sequence {parent_id!r}")
+        for b in p.table.block_ids:
+            self.pool.incref(b)
+        self._seqs[child_id] = _Seq(BlockTable(self.block_size, list(p.table.block_ids)), list(p.hashes), p.num_registered)
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release a finished, aborted or recompute-preempted sequence (unknown ids are ignored).
+        Its hashed blocks stay findable until handed out again; the tail is freed first so it is
+        evicted before the more shareable head."""
+        st = self._seqs.pop(seq_id, None)
+        if st is None:
+            return
+        if st.host_blocks is not None:
+            self._host_deferred += st.host_blocks  # a swap-out of this step may still write them
+        for b in reversed(st.table.block_ids):
+            self._release(b)
+
+    # ---- swap ----------------------------------------------------------------------------
+
+    def swap_out(self, seq_id: SeqId) -> BlockPairs | None:
+        """Move the sequence to the host tier: returns (device_block, host_block) copies to apply
+        and frees its device blocks, or None (nothing changed) if the host tier is full. Shared
+        blocks are copied too (the swapped sequence gets private blocks back on swap-in)."""
+        if self.num_host_blocks == 0:
+            raise RuntimeError("no host tier (num_host_blocks=0): preempt by recompute (free) instead")
+        st = self._seq(seq_id)
+        if st.host_blocks is not None:
+            raise RuntimeError(f"sequence {seq_id!r} is already swapped out")
+        if seq_id in self._swapped_in_now:
+            raise RuntimeError(f"sequence {seq_id!r} was swapped in this step; swap it out next step")
+        table = st.table.block_ids
+        if len(table) > len(self._host_free):
+            return None
+        host = [self._host_free.pop() for _ in table]
+        # A block whose content is still a pending CoW copy is read from that copy's source.
+        pairs = [(self._pending.get(b, b), h) for b, h in zip(table, host)]
+        for b in reversed(table):
+            self._release(b)
+        st.table.block_ids = []
+        st.host_blocks = host
+        st.num_registered = 0
+        return pairs
+
+    def swap_in(self, seq_id: SeqId) -> BlockPairs | None:
+        """Bring a swapped-out sequence back: returns (host_block, device_block) copies to apply,
+        or None (nothing changed) if there are not enough free device blocks."""
+        st = self._seq(seq_id)
+        host = st.host_blocks
+        if host is None:
+            raise RuntimeError(f"sequence {seq_id!r} is not swapped out")
+        if len(host) > self.pool.num_free:
+            return None
+        dev = self.pool.allocate_many(len(host))
+        st.table.block_ids = dev
+        st.host_blocks = None
+        self._host_deferred += host
+        self._swapped_in_now.add(seq_id)
+        return list(zip(host, dev))
+
+    # ---- observability -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics; ``free + cached_free + used == num_blocks`` (an allocation can
+        take ``free + cached_free`` blocks). Hit rate is by tokens."""
+        pc = self.prefix_cache
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "free": self.pool.unhashed.size,
+            "cached_free": self.pool.num_cached_free,
+            "used": self.pool.num_used,
+            "usage": self.usage,
+            "num_cached": len(pc),
+            "num_seqs": len(self._seqs),
+            "num_swapped": sum(s.host_blocks is not None for s in self._seqs.values()),
+            "host_blocks": self.num_host_blocks,
+            "host_free": len(self._host_free),
+            "queries": pc.queries,
+            "hits": pc.hits,
+            "query_tokens": pc.query_tokens,
+            "hit_tokens": pc.hit_tokens,
+            "hit_rate": pc.hit_tokens / pc.query_tokens if pc.query_tokens else 0.0,
+            "request_hit_rate": pc.hits / pc.queries if pc.queries else 0.0,
+        }
+
+    def _owners(self) -> dict[int, list[SeqId]]:
+        owners: dict[int, list[SeqId]] = {}
+        for sid, st in self._seqs.items():
+            for b in st.table.block_ids:
+                owners.setdefault(b, []).append(sid)
+        return owners
+
+    def snapshot(self) -> dict[str, object]:
+        """Per-block state for a live dashboard, as plain JSON-ready lists and dicts."""
+        owners = self._owners()
+        blocks = []
+        for b in self.pool.blocks:
+            h = None if b.block_hash is None else f"{b.block_hash:032x}"[:8]
+            state = "used" if b.ref_count else ("cached" if h is not None else "free")
+            blocks.append({"id": b.block_id, "ref_count": b.ref_count, "hash": h, "state": state,
+                           "owners": owners.get(b.block_id, [])})
+        return {"stats": self.stats(), "blocks": blocks}
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError (with what is wrong) unless: free queues hold exactly the
+        unreferenced blocks, free + cached-free + in-use = total, every block's ref_count equals
+        the tables holding it (plus pending-copy holds), the prefix index matches the block
+        hashes, and every host block is free or held by exactly one swapped sequence."""
+        self.pool.check_integrity()
+        self.prefix_cache.check_integrity()
+        pool = self.pool
+        used = sum(b.ref_count > 0 for b in pool.blocks)
+        if pool.unhashed.size + pool.cached.size + used != self.num_blocks:
+            raise AssertionError(
+                f"free {pool.unhashed.size} + cached-free {pool.cached.size} + in-use {used} "
+                f"!= total {self.num_blocks}"
+            )
+        holders = {b: len(o) for b, o in self._owners().items()}
+        for b in self._deferred:
+            holders[b] = holders.get(b, 0) + 1
+        for b in pool.blocks:
+            if b.ref_count != holders.get(b.block_id, 0):
+                raise AssertionError(
+                    f"block {b.block_id} has ref_count {b.ref_count} but {holders.get(b.block_id, 0)} holders"
+                )
+        for dst, src in self._pending.items():
+            if pool.blocks[dst].ref_count < 1 or pool.blocks[src].ref_count < 1:
+                raise AssertionError(f"pending copy {src}->{dst} touches a free block")
+        host = list(self._host_free) + self._host_deferred
+        for sid, st in self._seqs.items():
+            if st.host_blocks is not None:
+                if st.table.block_ids:
+                    raise AssertionError(f"swapped-out sequence {sid!r} still holds device blocks")
+                host += st.host_blocks
+        if sorted(host) != list(range(self.num_host_blocks)):
+            raise AssertionError(f"host blocks leaked or double-held: {sorted(host)}")

@@ -1,0 +1,162 @@
+"""Prefix caching over chained block hashes.
+
+A full block's hash covers its parent's hash, its token ids and extra keys (``cache_salt`` and
+anything else that changes the KV), so equal blocks after different prefixes never share and
+one tenant cannot hit another's blocks. Hashes are 128-bit blake2b digests of a stable byte
+encoding (deterministic across processes and runs, unlike ``hash()``); a hit still compares the
+stored token ids, so a collision can never serve wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedllm.kv.block_pool import Block, BlockPool
+
+ExtraKeys = tuple[object, ...]
+
+
+def extra_keys_for(cache_salt: str | None) -> ExtraKeys:
+    """Extra hash keys of a request; today only its optional tenant salt."""
+    return () if cache_salt is None else (("cache_salt", cache_salt),)
+
+
+def _extra_bytes(extra_keys: ExtraKeys) -> bytes:
+    # repr of str/int/tuple values is stable; only those belong in extra keys.
+    return repr(extra_keys).encode() if extra_keys else b""
+
+
+def _digest(parent_hash: int | None, token_bytes: bytes, extra: bytes) -> int:
+    head = b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little")
+    data = head + len(token_bytes).to_bytes(4, "little") + token_bytes + extra
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return array("q", token_ids).tobytes()
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> int:
+    """Hash of one full block given its parent's hash (None for the first block)."""
+    return _digest(parent_hash, _token_bytes(token_ids), _extra_bytes(extra_keys))
+
+
+def hash_block_chain(
+    parent_hash: int | None, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys = ()
+) -> list[int]:
+    """Hashes of the consecutive full blocks in ``token_ids`` (a trailing partial block is
+    ignored), chained from ``parent_hash``; encodes the tokens once for the whole run."""
+    n = len(token_ids) // block_size
+    buf = _token_bytes(token_ids[: n * block_size])
+    extra = _extra_bytes(extra_keys)
+    step = block_size * 8
+    out: list[int] = []
+    for i in range(n):
+        parent_hash = _digest(parent_hash, buf[i * step : (i + 1) * step], extra)
+        out.append(parent_hash)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Cached blocks covering the first ``num_tokens`` tokens of a prompt; no references taken."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    hashes: list[int] = field(default_factory=list)  # chain hashes of ``blocks``, reused later
+
+
+class PrefixCache:
+    """Index hash -> block over the pool's hashed blocks (in use or cached-free), with
+    match / insert / evict / stats / check_integrity like mini-sglang's BasePrefixCache."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._index: dict[int, int] = {}
+        pool.on_evict = self._forget
+        self.queries = 0
+        self.hits = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _forget(self, b: Block) -> None:
+        if b.block_hash is not None and self._index.get(b.block_hash) == b.block_id:
+            del self._index[b.block_hash]
+
+    def match(self, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> PrefixMatch:
+        """Longest cached prefix at block granularity, capped so at least one token is left to
+        compute (a full hit would give the model an empty query). Stops at the first miss."""
+        bs = self.pool.block_size
+        max_blocks = max(len(token_ids) - 1, 0) // bs
+        buf = _token_bytes(token_ids[: max_blocks * bs])
+        extra = _extra_bytes(extra_keys)
+        step = bs * 8
+        blocks, hashes = [], []
+        parent: int | None = None
+        for i in range(max_blocks):
+            h = _digest(parent, buf[i * step : (i + 1) * step], extra)
+            bid = self._index.get(h)
+            if bid is None or self.pool.blocks[bid].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            blocks.append(bid)
+            hashes.append(h)
+            parent = h
+        num = len(blocks) * bs
+        self.queries += 1
+        self.query_tokens += len(token_ids)
+        self.hits += num > 0
+        self.hit_tokens += num
+        return PrefixMatch(blocks, num, hashes)
+
+    def insert(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> bool:
+        """Register an in-use full block under ``block_hash``. False (nothing changes) when the
+        block already has a hash or another block already holds this content."""
+        b = self.pool.blocks[block_id]
+        if b.block_hash is not None or block_hash in self._index:
+            return False
+        self.pool.set_hash(block_id, block_hash, tuple(token_ids))
+        self._index[block_hash] = block_id
+        return True
+
+    def remove(self, block_id: int) -> None:
+        """Unregister a block whose content is about to be overwritten."""
+        self.pool.drop_hash(self.pool.blocks[block_id])
+
+    def evict(self, num_blocks: int) -> int:
+        """Forget the hashes of up to ``num_blocks`` least recently freed cached blocks; returns
+        how many were evicted. (Allocation also evicts lazily; this frees index memory early.)"""
+        n = 0
+        while n < num_blocks and self.pool.cached.size:
+            head = self.pool.cached.head.next
+            assert head is not None
+            self.pool.drop_hash(head)
+            n += 1
+        return n
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "queries": self.queries,
+            "hits": self.hits,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            "num_cached": len(self._index),
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless index and block hashes agree one to one."""
+        for h, bid in self._index.items():
+            b = self.pool.blocks[bid]
+            if b.block_hash != h:
+                raise AssertionError(f"index maps a hash to block {bid}, which has hash {b.block_hash}")
+            if b.token_ids is None or len(b.token_ids) != self.pool.block_size:
+                raise AssertionError(f"cached block {bid} does not hold a full block of token ids")
+        hashed = sum(b.block_hash is not None for b in self.pool.blocks)
+        if hashed != len(self._index):
+            raise AssertionError(f"{hashed} hashed blocks but {len(self._index)} indexed")
