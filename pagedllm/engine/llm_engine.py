@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.attention import get_backend
+from pagedllm.attention import BACKENDS, get_backend
 from pagedllm.engine.args import EngineArgs, resolve_dtype
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
@@ -73,10 +73,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host_blocks)
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         backend_name = args.attention_backend
-        if backend_name == "auto":
-            from pagedllm.attention import default_backend
-
-            backend_name = default_backend()
+        if backend_name == "auto":  # the fastest backend this machine can run
+            backend_name = next(b for b in ("triton", "cpu", "flex", "reference") if b in BACKENDS)
         self.runner = ModelRunner(model, self.kv_cache, get_backend(backend_name))
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -156,8 +154,10 @@ class LLMEngine:
         """Run one scheduler step; returns the requests that made progress (finished ones included)."""
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
-        self.kv_cache.swap_out(sched.swap_out)
-        self.kv_cache.swap_in(sched.swap_in)
+        if sched.swap_out:
+            self.kv_cache.swap_out(sched.swap_out)
+        if sched.swap_in:
+            self.kv_cache.swap_in(sched.swap_in)
         if not sched.chunks:
             if self.scheduler.has_work() and not sched.swap_in and not sched.preempted:
                 raise RuntimeError("scheduler made no progress: the pool cannot hold any waiting request")
