@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -39,24 +40,24 @@ def slot_mapping(
     block_size: int,
 ) -> torch.Tensor:
     """int64 slots of positions ``[starts[i], starts[i] + num_tokens[i])`` of every sequence,
-    concatenated in batch order. Tables are flattened (no padding) and indexed with tensor ops,
-    so the cost does not grow with a per-token Python loop."""
+    concatenated in batch order. Tables are flattened (no padding) and indexed with vectorised
+    array ops, no per-token Python loop; numpy, because on these small arrays each torch op costs
+    several times more dispatch overhead (the result is a zero-copy torch tensor)."""
     if not len(block_tables) == len(starts) == len(num_tokens):
         raise ValueError("block_tables, starts and num_tokens need one entry per sequence")
-    lens = [len(t) for t in block_tables]
-    for i, (s, n, nb) in enumerate(zip(starts, num_tokens, lens)):
-        if s < 0 or n < 0 or s + n > nb * block_size:
-            raise ValueError(
-                f"sequence {i}: positions [{s}, {s + n}) do not fit its {nb} blocks of {block_size}"
-            )
-    flat = torch.tensor(list(chain.from_iterable(block_tables)), dtype=torch.int64)
-    n = torch.tensor(num_tokens, dtype=torch.int64)
-    nb = torch.tensor(lens, dtype=torch.int64)
-    seq_of = torch.repeat_interleave(torch.arange(len(lens)), n)
+    nb = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+    n = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+    s = np.asarray(starts, dtype=np.int64).reshape(-1)
+    bad = np.flatnonzero((s < 0) | (n < 0) | (s + n > nb * block_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sequence {i}: positions [{s[i]}, {s[i] + n[i]}) do not fit its {nb[i]} blocks of {block_size}")
+    flat = np.fromiter(chain.from_iterable(block_tables), np.int64, int(nb.sum()))
+    seq_of = np.repeat(np.arange(len(nb)), n)
     # position of each token = its sequence's start + its offset within the sequence's run
-    run_start = n.cumsum(0) - n
-    pos = torch.arange(int(n.sum())) - run_start[seq_of] + torch.tensor(starts, dtype=torch.int64)[seq_of]
+    run_start = np.cumsum(n) - n
+    pos = np.arange(int(n.sum()), dtype=np.int64) - run_start[seq_of] + s[seq_of]
     shift = block_size.bit_length() - 1  # block_size is a power of two
-    table_start = nb.cumsum(0) - nb
+    table_start = np.cumsum(nb) - nb
     blocks = flat[table_start[seq_of] + (pos >> shift)]
-    return (blocks << shift) | (pos & (block_size - 1))
+    return torch.from_numpy((blocks << shift) | (pos & (block_size - 1)))

@@ -155,14 +155,12 @@ class KVCacheManager:
             raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap_in first")
         table = st.table.block_ids if st is not None else []
         pre = prefix.blocks if prefix is not None else []
-        if pre:
+        if prefix is not None and pre:
             if table:
                 raise ValueError("a prefix can only be passed on a sequence's first allocation")
-            if num_computed_tokens != prefix.num_tokens:  # type: ignore[union-attr]
-                raise ValueError(
-                    f"num_computed_tokens {num_computed_tokens} != prefix.num_tokens {prefix.num_tokens}"  # type: ignore[union-attr]
-                )
-            if any(pool.blocks[b].block_hash != h for b, h in zip(pre, prefix.hashes)):  # type: ignore[union-attr]
+            if num_computed_tokens != prefix.num_tokens:
+                raise ValueError(f"num_computed_tokens {num_computed_tokens} != prefix.num_tokens {prefix.num_tokens}")
+            if any(pool.blocks[b].block_hash != h for b, h in zip(pre, prefix.hashes)):
                 return False  # a matched block was handed out since the match
         total = num_computed_tokens + num_new_tokens
         need_len = -(-total // bs)
@@ -177,7 +175,7 @@ class KVCacheManager:
                 f"sequence {seq_id!r}: {num_computed_tokens} computed tokens but its table holds {have * bs} slots"
             )
         first = num_computed_tokens // bs
-        write = range(first, min(-(-total // bs), len(table))) if num_new_tokens else range(0)
+        write = range(first, min(need_len, len(table))) if num_new_tokens else range(0)
         cow = {i for i in write if pool.blocks[table[i]].ref_count > 1}
         revive = sum(pool.blocks[b].ref_count == 0 for b in pre)
         new = max(need_len - have, 0)
@@ -187,11 +185,11 @@ class KVCacheManager:
         if st is None:
             st = self._seqs[seq_id] = _Seq(BlockTable(bs))
             table = st.table.block_ids
-        if pre:
+        if prefix is not None and pre:
             for b in pre:
                 pool.incref(b)
             table.extend(pre)
-            st.hashes = list(prefix.hashes)  # type: ignore[union-attr]
+            st.hashes = list(prefix.hashes)
             st.num_registered = len(pre)
         if num_new_tokens:
             # Blocks from ``first`` on are (re)written: their old hashes no longer describe them.

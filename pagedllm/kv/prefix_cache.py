@@ -93,16 +93,15 @@ class PrefixCache:
         """Longest cached prefix at block granularity, capped so at least one token is left to
         compute (a full hit would give the model an empty query). Stops at the first miss."""
         bs = self.pool.block_size
-        max_blocks = max(len(token_ids) - 1, 0) // bs
-        buf = _token_bytes(token_ids[: max_blocks * bs])
         extra = _extra_bytes(extra_keys)
-        step = bs * 8
+        pool_blocks, index = self.pool.blocks, self._index
         blocks, hashes = [], []
         parent: int | None = None
-        for i in range(max_blocks):
-            h = _digest(parent, buf[i * step : (i + 1) * step], extra)
-            bid = self._index.get(h)
-            if bid is None or self.pool.blocks[bid].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+        for i in range(max(len(token_ids) - 1, 0) // bs):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            h = _digest(parent, _token_bytes(chunk), extra)
+            bid = index.get(h)
+            if bid is None or pool_blocks[bid].token_ids != tuple(chunk):
                 break
             blocks.append(bid)
             hashes.append(h)
