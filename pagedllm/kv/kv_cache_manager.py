@@ -54,7 +54,8 @@ class KVCacheManager:
         self._pending_src: dict[int, int] = {}  # src -> number of pending copies reading it
         self._deferred: list[int] = []  # blocks whose last holder left while a pending copy reads them
         self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
-        self._host_deferred: list[int] = []  # host blocks a swap-in of this step still reads
+        self._host_ref = [0] * num_host_blocks  # swapped sequences holding each host block
+        self._host_deferred: list[int] = []  # host blocks released this step (copies may still use them)
         self._swapped_in_now: set[SeqId] = set()
 
     # ---- queries -------------------------------------------------------------------------
@@ -258,52 +259,86 @@ class KVCacheManager:
         st = self._seqs.pop(seq_id, None)
         if st is None:
             return
-        if st.host_blocks is not None:
-            self._host_deferred += st.host_blocks  # a swap-out of this step may still write them
+        self._drop_host(st)
         for b in reversed(st.table.block_ids):
             self._release(b)
 
     # ---- swap ----------------------------------------------------------------------------
 
     def swap_out(self, seq_id: SeqId) -> BlockPairs | None:
-        """Move the sequence to the host tier: returns (device_block, host_block) copies to apply
-        and frees its device blocks, or None (nothing changed) if the host tier is full. Shared
-        blocks are copied too (the swapped sequence gets private blocks back on swap-in)."""
-        if self.num_host_blocks == 0:
-            raise RuntimeError("no host tier (num_host_blocks=0): preempt by recompute (free) instead")
-        st = self._seq(seq_id)
-        if st.host_blocks is not None:
-            raise RuntimeError(f"sequence {seq_id!r} is already swapped out")
-        if seq_id in self._swapped_in_now:
-            raise RuntimeError(f"sequence {seq_id!r} was swapped in this step; swap it out next step")
-        table = st.table.block_ids
-        if len(table) > len(self._host_free):
-            return None
-        host = [self._host_free.pop() for _ in table]
-        # A block whose content is still a pending CoW copy is read from that copy's source.
-        pairs = [(self._pending.get(b, b), h) for b, h in zip(table, host)]
-        for b in reversed(table):
-            self._release(b)
-        st.table.block_ids = []
-        st.host_blocks = host
-        st.num_registered = 0
-        return pairs
+        """``swap_out_group([seq_id])``."""
+        return self.swap_out_group([seq_id])
 
     def swap_in(self, seq_id: SeqId) -> BlockPairs | None:
-        """Bring a swapped-out sequence back: returns (host_block, device_block) copies to apply,
-        or None (nothing changed) if there are not enough free device blocks."""
-        st = self._seq(seq_id)
-        host = st.host_blocks
-        if host is None:
-            raise RuntimeError(f"sequence {seq_id!r} is not swapped out")
-        if len(host) > self.pool.num_free:
+        """``swap_in_group([seq_id])``."""
+        return self.swap_in_group([seq_id])
+
+    def _group(self, seq_ids: Sequence[SeqId], swapped: bool) -> list[_Seq]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"duplicate sequence ids in {list(seq_ids)!r}")
+        sts = [self._seq(s) for s in seq_ids]
+        for sid, st in zip(seq_ids, sts):
+            if (st.host_blocks is not None) != swapped:
+                raise RuntimeError(f"sequence {sid!r} is {'not ' if swapped else 'already '}swapped out")
+        return sts
+
+    def swap_out_group(self, seq_ids: Sequence[SeqId]) -> BlockPairs | None:
+        """Move sequences (e.g. all samples or beams of a request) to the host tier, all or
+        nothing: returns (device_block, host_block) copies to apply and frees their device
+        blocks, or None (nothing changed) if the host tier lacks room. A block shared inside the
+        group is copied once and is shared again after ``swap_in_group``; a block also held
+        outside the group is copied and comes back private."""
+        if self.num_host_blocks == 0:
+            raise RuntimeError("no host tier (num_host_blocks=0): preempt by recompute (free) instead")
+        sts = self._group(seq_ids, swapped=False)
+        for sid in seq_ids:
+            if sid in self._swapped_in_now:
+                raise RuntimeError(f"sequence {sid!r} was swapped in this step; swap it out next step")
+        blocks = list(dict.fromkeys(b for st in sts for b in st.table.block_ids))
+        if len(blocks) > len(self._host_free):
             return None
-        dev = self.pool.allocate_many(len(host))
-        st.table.block_ids = dev
+        host_of = {b: self._host_free.pop() for b in blocks}
+        # A block whose content is still a pending CoW copy is read from that copy's source.
+        pairs = [(self._pending.get(b, b), h) for b, h in host_of.items()]
+        for st in sts:
+            st.host_blocks = [host_of[b] for b in st.table.block_ids]
+            for h in st.host_blocks:
+                self._host_ref[h] += 1
+            for b in reversed(st.table.block_ids):
+                self._release(b)
+            st.table.block_ids = []
+            st.num_registered = 0
+        return pairs
+
+    def swap_in_group(self, seq_ids: Sequence[SeqId]) -> BlockPairs | None:
+        """Bring swapped-out sequences back, all or nothing: returns (host_block, device_block)
+        copies to apply, or None (nothing changed) if there are not enough free device blocks.
+        Host blocks shared inside the group come back as one shared device block."""
+        sts = self._group(seq_ids, swapped=True)
+        hosts = list(dict.fromkeys(h for st in sts for h in st.host_blocks or ()))
+        if len(hosts) > self.pool.num_free:
+            return None
+        dev_of = {h: self.pool.allocate() for h in hosts}
+        taken: set[int] = set()
+        for sid, st in zip(seq_ids, sts):
+            table = [dev_of[h] for h in st.host_blocks or ()]
+            for d in table:
+                if d in taken:
+                    self.pool.incref(d)
+                taken.add(d)
+            self._drop_host(st)
+            st.table.block_ids = table
+            self._swapped_in_now.add(sid)
+        return list(dev_of.items())
+
+    def _drop_host(self, st: _Seq) -> None:
+        """Release a swapped sequence's host blocks; they are recycled when the step ends, since
+        this step's swap copies may still read or write them."""
+        for h in st.host_blocks or ():
+            self._host_ref[h] -= 1
+            if not self._host_ref[h]:
+                self._host_deferred.append(h)
         st.host_blocks = None
-        self._host_deferred += host
-        self._swapped_in_now.add(seq_id)
-        return list(zip(host, dev))
 
     # ---- observability -------------------------------------------------------------------
 
@@ -374,11 +409,15 @@ class KVCacheManager:
         for dst, src in self._pending.items():
             if pool.blocks[dst].ref_count < 1 or pool.blocks[src].ref_count < 1:
                 raise AssertionError(f"pending copy {src}->{dst} touches a free block")
-        host = list(self._host_free) + self._host_deferred
+        held = [0] * self.num_host_blocks
         for sid, st in self._seqs.items():
             if st.host_blocks is not None:
                 if st.table.block_ids:
                     raise AssertionError(f"swapped-out sequence {sid!r} still holds device blocks")
-                host += st.host_blocks
-        if sorted(host) != list(range(self.num_host_blocks)):
-            raise AssertionError(f"host blocks leaked or double-held: {sorted(host)}")
+                for h in st.host_blocks:
+                    held[h] += 1
+        if held != self._host_ref:
+            raise AssertionError(f"host ref counts {self._host_ref} != swapped tables holding them {held}")
+        idle = sorted(self._host_free + self._host_deferred)
+        if idle != [h for h, n in enumerate(held) if n == 0]:
+            raise AssertionError(f"free host blocks {idle} are not exactly the unheld ones")

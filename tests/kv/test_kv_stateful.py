@@ -107,33 +107,40 @@ class KVMachine(RuleBasedStateMachine):
         self.swapped.discard(sid)
         assert not self.m.has_seq(sid)
 
-    @precondition(lambda self: any(s not in self.swapped and s not in self.swapped_in_now for s in self.tokens))
+    def _swappable(self) -> list[int]:
+        return sorted(s for s in self.tokens if s not in self.swapped and s not in self.swapped_in_now)
+
+    @precondition(lambda self: self._swappable())
     @rule(data=st.data())
     def swap_out(self, data) -> None:
-        sid = data.draw(st.sampled_from(sorted(s for s in self.tokens if s not in self.swapped and s not in self.swapped_in_now)))
-        n = len(self.m.block_table(sid))
-        pairs = self.m.swap_out(sid)
+        """Swap out a group (a request's samples/beams share blocks): all or nothing."""
+        group = data.draw(st.lists(st.sampled_from(self._swappable()), min_size=1, max_size=3, unique=True))
+        distinct = {b for sid in group for b in self.m.block_table(sid)}
+        pairs = self.m.swap_out_group(group) if len(group) > 1 else self.m.swap_out(group[0])
         if pairs is None:
-            assert n > self.m.num_free_host_blocks
+            assert len(distinct) > self.m.num_free_host_blocks
+            assert all(not self.m.is_swapped(sid) for sid in group)
             return
-        assert len(pairs) == n and self.m.block_table(sid) == []
+        assert len(pairs) == len(distinct)  # shared blocks are copied once
         self.swap_outs += pairs
-        self.swapped.add(sid)
-        self.writes.pop(sid, None)  # not computed this step; the engine recomputes after swap-in
+        for sid in group:
+            assert self.m.block_table(sid) == []
+            self.swapped.add(sid)
+            self.writes.pop(sid, None)  # not computed this step; the engine recomputes after swap-in
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
     def swap_in(self, data) -> None:
-        sid = data.draw(st.sampled_from(sorted(self.swapped)))
-        pairs = self.m.swap_in(sid)
+        group = data.draw(st.lists(st.sampled_from(sorted(self.swapped)), min_size=1, max_size=3, unique=True))
+        pairs = self.m.swap_in_group(group) if len(group) > 1 else self.m.swap_in(group[0])
         if pairs is None:
+            assert all(self.m.is_swapped(sid) for sid in group)
             return
         self.swap_ins += pairs
-        self.swapped.discard(sid)
-        self.swapped_in_now.add(sid)
-        # the table covers what it did before the swap; computed tokens are what was written
-        table_tokens = len(self.m.block_table(sid)) * BS
-        assert len(self.tokens[sid]) <= table_tokens
+        for sid in group:
+            self.swapped.discard(sid)
+            self.swapped_in_now.add(sid)
+            assert len(self.tokens[sid]) <= len(self.m.block_table(sid)) * BS
 
     @rule(n=st.integers(0, 5))
     def evict(self, n: int) -> None:

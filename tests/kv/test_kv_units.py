@@ -398,3 +398,31 @@ def test_prefix_caching_disabled() -> None:
     assert m.allocate_slots("a", 0, 9)
     m.cache_full_blocks("a", list(range(9)))
     assert m.match_prefix(list(range(9))) == PrefixMatch() and m.num_cached_blocks == 0
+
+
+def test_group_swap_keeps_sharing_and_is_all_or_nothing() -> None:
+    m = KVCacheManager(8, 4, num_host_blocks=4)
+    assert m.allocate_slots("p", 0, 8)
+    m.fork("p", "c")
+    assert m.allocate_slots("c", 8, 1)  # c: [b0, b1, own]; p: [b0, b1]
+    assert m.allocate_slots("x", 0, 8)
+    assert m.swap_out_group(["p", "c", "x"]) is None  # 5 distinct blocks > 4 host blocks
+    assert not m.is_swapped("p") and not m.is_swapped("x")
+    out = m.swap_out_group(["p", "c"])
+    assert out is not None and len(out) == 3 and m.num_free_host_blocks == 1
+    m.take_pending_copies()
+    back = m.swap_in_group(["p", "c"])
+    assert back is not None and len(back) == 3
+    p, c = m.block_table("p"), m.block_table("c")
+    assert p == c[:2] and [m.pool.blocks[b].ref_count for b in c] == [2, 2, 1]
+    with pytest.raises(ValueError, match="duplicate"):
+        m.swap_out_group(["x", "x"])
+    m.check_integrity()
+    m.take_pending_copies()
+    assert m.swap_out_group(["p"]) is not None  # shared with c outside the group: copied
+    m.free("p")
+    m.free("c")
+    m.free("x")
+    m.take_pending_copies()
+    m.check_integrity()
+    assert m.pool.num_used == 0 and m.num_free_host_blocks == 4
