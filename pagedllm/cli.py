@@ -1,0 +1,176 @@
+"""``pagedllm``: generate / chat / serve / bench. With no flags every command runs the embedded model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pagedllm.engine.args import EngineArgs
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--repetition-penalty", type=float, default=1.1)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedllm.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, repetition_penalty=args.repetition_penalty, stop=args.stop)
+
+
+def _engine(args: argparse.Namespace):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineArgs.from_namespace(args))
+
+
+def _stream(eng, prompt: str | list[int], params) -> str:
+    """Step the engine until the request finishes, printing its text as it settles; returns the text.
+
+    Ctrl-C aborts the request (freeing its blocks) before propagating.
+    """
+    from pagedllm.server.protocol import DeltaTracker
+
+    req = eng.add_request(prompt, params)
+    tracker = DeltaTracker(params.stop)
+    try:
+        while True:
+            eng.step()
+            out = eng.output(req).outputs[0]
+            delta = tracker.advance(out)
+            if delta is not None:
+                print(delta.text, end="", flush=True)
+            if req.finished:
+                print(flush=True)
+                return out.text
+    except KeyboardInterrupt:
+        eng.abort_request(req.request_id)
+        print(flush=True)
+        raise
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm.llm import apply_chat_template
+
+    eng = _engine(args)
+    prompt = apply_chat_template(eng.tokenizer, [{"role": "user", "content": args.prompt}]) if args.chat \
+        else args.prompt
+    _stream(eng, prompt, _sampling_params(args))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedllm.llm import apply_chat_template
+
+    eng = _engine(args)
+    params = _sampling_params(args)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"chatting with {eng.model_name}; /reset clears the history, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            del history[1 if args.system else 0:]
+            continue
+        if not line:
+            continue
+        turn = history + [{"role": "user", "content": line}]
+        try:
+            reply = _stream(eng, apply_chat_template(eng.tokenizer, turn), params)
+        except ValueError as e:  # e.g. the history outgrew the context: say so, keep chatting
+            print(f"error: {e} (/reset clears the history)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            continue  # the reply was aborted; the question is dropped from the history
+        history = turn + [{"role": "assistant", "content": reply}]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.server import create_app
+
+    engine = AsyncEngine(EngineArgs.from_namespace(args))
+    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from pagedllm.bench.cli import main as bench_main
+    except ModuleNotFoundError as e:
+        if e.name != "pagedllm.bench.cli":
+            raise
+        print("pagedllm bench: the benchmark suite (pagedllm.bench.cli) is not installed in this build",
+              file=sys.stderr)
+        return 2
+    return bench_main(args.args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference and serving built on PagedAttention.")
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                        help="default: info for serve, warning otherwise")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve,bench}")
+
+    p = sub.add_parser("generate", help="generate once from a prompt, streaming to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the model's chat template as a user turn")
+    _add_sampling_args(p, max_tokens=64)
+    EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with history")
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(p, max_tokens=256)
+    EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model's)")
+    EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    p.set_defaults(func=cmd_serve)
+
+    # no option prefix: every word after "bench", --help included, belongs to the benchmark CLI
+    p = sub.add_parser("bench", help="benchmarks (pagedllm bench <name> --help)", add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="benchmark name and its arguments")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

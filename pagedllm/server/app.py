@@ -1,0 +1,405 @@
+"""OpenAI-compatible HTTP server over one shared ``AsyncEngine``.
+
+Every request is tokenized and validated on the engine thread before anything is scheduled, so
+a bad request is a single 400 and never half-runs. Outputs stream from the engine as cumulative
+``RequestOutput``s; deltas are cut from the cumulative text (see ``DeltaTracker``) so streamed
+text always equals non-streamed text. A client that goes away aborts its requests, which frees
+their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.llm import apply_chat_template
+from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, Delta, DeltaMessage, DeltaTracker, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+    PromptTokensDetails, SamplingRequest, TopLogprob, Usage,
+)
+
+log = logging.getLogger("pagedllm.server")
+
+DISCONNECT_POLL_S = 1.0  # how often a request with no news checks whether its client is still there
+
+
+class APIError(Exception):
+    """An error the client caused (or must hear about), rendered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def error_response(status: int, info: ErrorInfo) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on /v1/*, before the body is even read (a pure ASGI layer keeps streaming intact)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                info = ErrorInfo(message="invalid or missing API key; send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                await error_response(401, info)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ admission
+    def check_model(self, body: SamplingRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def admit(self, body: SamplingRequest, tokenize: Callable[[LLMEngine], list[list[int]]],
+                    max_tokens: int | None, logprobs: int | None) -> tuple[list[list[int]], SamplingParams]:
+        """Tokenize and validate every prompt on the engine thread; ``max_tokens=None`` means as many as fit."""
+
+        def run(eng: LLMEngine) -> tuple[list[list[int]], SamplingParams]:
+            ids = tokenize(eng)
+            limit = max_tokens
+            if limit is None:  # the most the context and (for all n samples) the pool can take
+                longest = max(map(len, ids))
+                pool_tokens = eng.kv.num_blocks * eng.kv.block_size
+                limit = max(1, min(eng.max_model_len - longest, (pool_tokens - longest) // body.n - eng.kv.block_size))
+            params = body.sampling_params(limit, logprobs)
+            for prompt_ids in ids:
+                eng.validate(prompt_ids, params)
+            return ids, params
+
+        self.check_model(body)
+        try:
+            return await self.engine.call(run)
+        except ValueError as e:
+            word = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=word if word in type(body).model_fields else None) from e
+
+    # ------------------------------------------------------------------ running
+    async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                  cache_salt: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run each prompt as its own engine request; yield (prompt index, cumulative output) as they come.
+
+        Leaving early (the client went away, or the consumer was cancelled) cancels the pumps, and
+        each pump's ``AsyncEngine.generate`` aborts its request, freeing the blocks.
+        """
+        q: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            last = None
+            try:
+                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", cache_salt):
+                    now = time.monotonic()
+                    if last is not None:
+                        self.metrics.inter_token.observe(now - last)
+                    last = now
+                    if out.finished:
+                        self.metrics.observe_finished(out)
+                    q.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        unfinished = len(tasks)
+        try:
+            while unfinished:
+                try:
+                    i, item = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        raise APIError(499, "client closed the request", type="client_closed_request")
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                unfinished -= item.finished
+                yield i, item
+        finally:
+            if unfinished:
+                self.metrics.aborted.inc(unfinished)
+            for t in tasks:
+                t.cancel()
+
+    @staticmethod
+    def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
+        prompt = sum(map(len, prompts))
+        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    # ------------------------------------------------------------------ logprobs
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, d: Delta, offset: int) -> CompletionLogprobs:
+        """OpenAI completions shape; ``offset`` is where the first new token starts in the choice's text."""
+        lp = CompletionLogprobs()
+        for tid, entry in zip(d.token_ids, d.logprobs or []):
+            tok = self.token_text(tid)
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(entry[tid])
+            lp.top_logprobs.append({self.token_text(t): v for t, v in entry.items()})
+            lp.text_offset.append(offset)
+            offset += len(tok)
+        return lp
+
+    def chat_logprobs(self, d: Delta, top_n: int) -> ChatLogprobs:
+        def top(tid: int, logprob: float) -> dict:
+            tok = self.token_text(tid)
+            return {"token": tok, "logprob": logprob, "bytes": list(tok.encode())}
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**top(tid, entry[tid]), top_logprobs=[
+                TopLogprob(**top(t, v)) for t, v in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]])
+            for tid, entry in zip(d.token_ids, d.logprobs or [])])
+
+    # ------------------------------------------------------------------ endpoints
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
+            body.prompt[0], int) else [body.prompt]
+        if not prompts or any(not p for p in prompts):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
+                           param="echo")
+        ids, params = await self.admit(body, lambda eng: [eng.tokenize(p)[1] for p in prompts], body.max_tokens,
+                                       body.logprobs)
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
+        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), params.n
+        offsets: dict[int, int] = {}  # per choice: characters emitted so far (for text_offset)
+
+        def choice(i: int, d: Delta, index: int) -> CompletionChoice:
+            prefix = echo[i] if echo is not None and index not in offsets else ""
+            start = offsets.get(index, len(prefix))
+            lp = self.completion_logprobs(d, start) if params.logprobs is not None else None
+            offsets[index] = start + sum(map(len, lp.tokens)) if lp else start
+            return CompletionChoice(index=index, text=prefix + d.text, logprobs=lp, finish_reason=d.finish_reason,
+                                    stop_reason=d.stop_reason)
+
+        def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+
+        if not body.stream:
+            finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
+            choices = [choice(i, Delta(o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason), i * n + o.index)
+                       for i in sorted(finals) for o in finals[i].outputs]
+            return JSONResponse(response(choices, self.usage(ids, finals)).model_dump())
+
+        async def chunks() -> AsyncIterator[BaseModel]:
+            trackers: dict[int, DeltaTracker] = {}
+            finals: dict[int, RequestOutput] = {}
+            async for i, out in self.run(request, ids, params, rid, body.cache_salt):
+                if out.finished:
+                    finals[i] = out
+                choices = []
+                for o in out.outputs:
+                    index = i * n + o.index
+                    d = trackers.setdefault(index, DeltaTracker(params.stop)).advance(o)
+                    if d is not None and (d.text or d.token_ids or d.finish_reason):
+                        choices.append(choice(i, d, index))
+                if choices:
+                    yield response(choices)
+            if body.include_usage:
+                yield response([], self.usage(ids, finals))
+
+        return self.sse(chunks())
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        # templates know system/user/assistant/tool; OpenAI's "developer" is the new name for system
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        top_n = body.top_logprobs or 0
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        ids, params = await self.admit(body, lambda eng: [apply_chat_template(eng.tokenizer, messages)], max_tokens,
+                                       top_n if body.logprobs else None)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs(d: Delta) -> ChatLogprobs | None:
+            return self.chat_logprobs(d, top_n) if body.logprobs else None
+
+        if not body.stream:
+            final = None
+            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+                final = out
+            choices = [ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
+                                  logprobs=logprobs(Delta(o.text, o.token_ids, o.logprobs, o.finish_reason, None)),
+                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in final.outputs]
+            resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                          usage=self.usage(ids, {0: final}))
+            return JSONResponse(resp.model_dump())
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+
+        async def chunks() -> AsyncIterator[BaseModel]:
+            yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                         for j in range(params.n)])
+            trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
+            final = None
+            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+                final = out
+                choices = []
+                for o in out.outputs:
+                    d = trackers[o.index].advance(o)
+                    if d is not None and (d.text or d.token_ids or d.finish_reason):
+                        choices.append(ChatChunkChoice(index=o.index, delta=DeltaMessage(content=d.text),
+                                                       logprobs=logprobs(d), finish_reason=d.finish_reason))
+                if choices:
+                    yield chunk(choices)
+            if body.include_usage:
+                yield chunk([], self.usage(ids, {0: final}))
+
+        return self.sse(chunks())
+
+    @staticmethod
+    def sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+        """Server-sent events: one ``data:`` line per chunk, then ``[DONE]``; an engine failure ends the
+        stream with an error event (the status line has already been sent)."""
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for c in chunks:
+                    yield f"data: {c.model_dump_json()}\n\n"
+            except APIError:  # the client went away: nobody to tell
+                return
+            except RuntimeError as e:
+                log.exception("stream failed")
+                info = ErrorInfo(message=str(e), type="server_error")
+                yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
+                return
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ---------------------------------------------------------------------- routes
+router = APIRouter()
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return await _serving(request).completions(body, request)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _serving(request).chat(body, request)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    s = _serving(request)
+    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.engine.engine.max_model_len)])
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    """503 once the engine loop has failed; with ``check_integrity`` on, also verifies the KV pool."""
+    engine: AsyncEngine = request.app.state.engine
+    if engine.error is not None:
+        raise APIError(503, f"engine failed: {engine.error}", type="server_error")
+    if engine.engine.args.check_integrity:
+        try:
+            await engine.call(lambda eng: eng.kv.check_integrity())
+        except AssertionError as e:
+            raise APIError(503, f"KV pool integrity check failed: {e}", type="server_error") from e
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    snapshot = await request.app.state.engine.stats()
+    return Response(request.app.state.metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------------- errors
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return error_response(e.status, e.info)
+
+
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    """Pydantic's 422 becomes OpenAI's 400, naming the first offending field."""
+    err = e.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return error_response(400, ErrorInfo(message=f"malformed JSON body: {err.get('msg')}", code="invalid_json"))
+    where = ".".join(loc)
+    return error_response(400, ErrorInfo(message=f"{where}: {err.get('msg')}" if where else str(err.get("msg")),
+                                         param=loc[0] if loc else None))
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    message = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
+    return error_response(e.status_code, ErrorInfo(message=message, code="not_found" if e.status_code == 404 else None))
+
+
+async def _server_error(_: Request, e: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=e)
+    return error_response(500, ErrorInfo(message=f"internal error: {e}", type="server_error"))
+
+
+def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    """The server app over ``engine``; ``api_key`` guards /v1/*; the model is served under ``served_model_name``."""
+    app = FastAPI(title="pagedllm", version=__version__)
+    app.state.engine = engine
+    app.state.metrics = ServerMetrics()
+    app.state.serving = OpenAIServing(engine, served_model_name or engine.engine.model_name, app.state.metrics)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
+    app.include_router(router)
+    try:
+        from pagedllm.server.dashboard import router as dashboard_router
+    except ModuleNotFoundError as e:  # the dashboard is optional; anything else wrong in it should surface
+        if e.name != "pagedllm.server.dashboard":
+            raise
+    else:
+        app.include_router(dashboard_router)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,51 @@
+"""One real uvicorn server on loopback for the whole module, over the embedded model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+API_KEY = "test-key"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    api_key: str
+    engine: "AsyncEngine"  # noqa: F821 - imported lazily with torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Small pool and context (cheap over-limit cases), integrity check after every step, API key on."""
+    import uvicorn
+
+    from pagedllm.engine.args import EngineArgs
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.server import create_app
+
+    engine = AsyncEngine(EngineArgs(kv_cache_memory=256 << 20, max_num_seqs=16, max_model_len=1024,
+                                    check_integrity=True))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, engine)
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
