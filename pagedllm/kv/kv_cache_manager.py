@@ -103,13 +103,13 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PrefixMatch:
+    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None, record: bool = True) -> PrefixMatch:
         """Longest cached prefix of a prompt (full blocks, token ids verified, at least one token
         left to compute). Takes no references: pass it to ``allocate_slots`` right away. Each call
-        counts as one query in ``stats()``."""
+        counts as one query in ``stats()`` unless ``record=False`` (a probe for ordering)."""
         if not self.enable_prefix_caching:
             return PrefixMatch()
-        return self.prefix_cache.match(token_ids, extra_keys_for(cache_salt))
+        return self.prefix_cache.match(token_ids, extra_keys_for(cache_salt), record)
 
     def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
         """Hash and register the sequence's full blocks not registered yet. ``token_ids`` are all

@@ -89,9 +89,10 @@ class PrefixCache:
         if b.block_hash is not None and self._index.get(b.block_hash) == b.block_id:
             del self._index[b.block_hash]
 
-    def match(self, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> PrefixMatch:
+    def match(self, token_ids: Sequence[int], extra_keys: ExtraKeys = (), record: bool = True) -> PrefixMatch:
         """Longest cached prefix at block granularity, capped so at least one token is left to
-        compute (a full hit would give the model an empty query). Stops at the first miss."""
+        compute (a full hit would give the model an empty query). Stops at the first miss.
+        ``record=False`` leaves the stats alone (a probe, e.g. for cache-aware ordering)."""
         bs = self.pool.block_size
         extra = _extra_bytes(extra_keys)
         pool_blocks, index = self.pool.blocks, self._index
@@ -107,6 +108,8 @@ class PrefixCache:
             hashes.append(h)
             parent = h
         num = len(blocks) * bs
+        if not record:
+            return PrefixMatch(blocks, num, hashes)
         self.queries += 1
         self.query_tokens += len(token_ids)
         self.hits += num > 0

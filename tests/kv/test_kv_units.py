@@ -426,3 +426,13 @@ def test_group_swap_keeps_sharing_and_is_all_or_nothing() -> None:
     m.take_pending_copies()
     m.check_integrity()
     assert m.pool.num_used == 0 and m.num_free_host_blocks == 4
+
+
+def test_probe_match_does_not_count_in_stats() -> None:
+    toks = list(range(20))
+    m = KVCacheManager(4, 4)
+    assert m.allocate_slots("a", 0, 20)
+    m.cache_full_blocks("a", toks)
+    assert m.match_prefix(toks, record=False).num_tokens == 16
+    assert m.stats()["queries"] == 0
+    assert m.match_prefix(toks).num_tokens == 16 and m.stats()["queries"] == 1
