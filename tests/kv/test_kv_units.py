@@ -430,7 +430,7 @@ def test_group_swap_keeps_sharing_and_is_all_or_nothing() -> None:
 
 def test_probe_match_does_not_count_in_stats() -> None:
     toks = list(range(20))
-    m = KVCacheManager(4, 4)
+    m = KVCacheManager(8, 4)
     assert m.allocate_slots("a", 0, 20)
     m.cache_full_blocks("a", toks)
     assert m.match_prefix(toks, record=False).num_tokens == 16
