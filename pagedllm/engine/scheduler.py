@@ -179,32 +179,22 @@ class Scheduler:
         log.info("preempted request %s by recompute (%d seqs)", req.request_id, len(live))
 
     def _swap_out(self, seqs: list[Sequence], out: SchedulerOutput) -> bool:
-        pairs: list[tuple[int, int]] = []
-        for i, s in enumerate(seqs):
-            got = self.kv.swap_out(s.seq_id)
-            if got is None:  # host tier full: undo this request's swap-outs, recompute instead
-                for t in seqs[:i]:
-                    back = self.kv.swap_in(t.seq_id)
-                    assert back is not None, "blocks freed by swap-out must be reclaimable"
-                out.swap_out = [p for p in out.swap_out if p not in pairs]
-                return False
-            pairs += got
-            s.status = SequenceStatus.SWAPPED
+        """Move the request's blocks to the host tier at once (shared blocks stay shared); False: host full."""
+        pairs = self.kv.swap_out_group([s.seq_id for s in seqs])
+        if pairs is None:
+            return False
         out.swap_out += pairs
+        for s in seqs:
+            s.status = SequenceStatus.SWAPPED
         return True
 
     def _swap_in(self, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> None:
         while self.swapped:
             req = self.swapped[0]
             live = [s for s in req.seqs if not s.finished]
-            pairs: list[tuple[int, int]] = []
-            for i, s in enumerate(live):
-                got = self.kv.swap_in(s.seq_id)
-                if got is None:
-                    for t in live[:i]:
-                        assert self.kv.swap_out(t.seq_id) is not None
-                    return
-                pairs += got
+            pairs = self.kv.swap_in_group([s.seq_id for s in live])
+            if pairs is None:  # not enough free device blocks yet
+                return
             out.swap_in += pairs
             self.swapped.popleft()
             self.running.append(req)
@@ -218,7 +208,7 @@ class Scheduler:
             now = time.monotonic()
 
             def priority(r: Request) -> float:
-                matched = self.kv.match_prefix(r.seqs[0].token_ids, r.cache_salt).num_tokens
+                matched = self.kv.match_prefix(r.seqs[0].token_ids, r.cache_salt, record=False).num_tokens
                 return matched + self.config.lpm_lambda * (now - r.arrival_time)
 
             best = max(self.waiting, key=priority)
