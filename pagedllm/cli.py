@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except ValueError as e:  # bad settings or prompt, as the engine words it
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -109,8 +109,10 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> Non
     raise SystemExit(f"server at {url} not healthy after {timeout:.0f} s")
 
 
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))
+def pct(xs: list[float], q: int) -> float:
+    if len(xs) < 2:
+        return xs[0] if xs else float("nan")
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
 
 async def run_clients(url: str, headers: dict, n: int, disconnects: int, max_tokens: int) -> tuple[list[Result], float]:

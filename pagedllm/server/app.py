@@ -99,8 +99,8 @@ class OpenAIServing:
             limit = max_tokens
             if limit is None:  # the most the context and (for all n samples) the pool can take
                 longest = max(map(len, ids))
-                pool_tokens = eng.kv.num_blocks * eng.kv.block_size
-                limit = max(1, min(eng.max_model_len - longest, (pool_tokens - longest) // body.n - eng.kv.block_size))
+                per_sample = (eng.kv.num_blocks * eng.kv.block_size - longest) // max(body.n, 1) - eng.kv.block_size
+                limit = max(1, min(eng.max_model_len - longest, per_sample))
             params = body.sampling_params(limit, logprobs)
             for prompt_ids in ids:
                 eng.validate(prompt_ids, params)
@@ -219,8 +219,7 @@ class OpenAIServing:
 
         if not body.stream:
             finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
-            choices = [choice(i, Delta(o.text, o.token_ids, o.logprobs, o.finish_reason, o.stop_reason), i * n + o.index)
-                       for i in sorted(finals) for o in finals[i].outputs]
+            choices = [choice(i, Delta.whole(o), i * n + o.index) for i in sorted(finals) for o in finals[i].outputs]
             return JSONResponse(response(choices, self.usage(ids, finals)).model_dump())
 
         async def chunks() -> AsyncIterator[BaseModel]:
@@ -262,7 +261,7 @@ class OpenAIServing:
             async for _, out in self.run(request, ids, params, rid, body.cache_salt):
                 final = out
             choices = [ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                                  logprobs=logprobs(Delta(o.text, o.token_ids, o.logprobs, o.finish_reason, None)),
+                                  logprobs=logprobs(Delta.whole(o)),
                                   finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in final.outputs]
             resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                           usage=self.usage(ids, {0: final}))

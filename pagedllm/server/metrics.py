@@ -79,7 +79,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("pagedllm_request_success", "Engine requests finished, by the first choice's reason.",
                                 ["finished_reason"], registry=self.registry)
-        self.aborted = Counter("pagedllm_request_aborted", "Engine requests aborted because the client went away.",
+        self.aborted = Counter("pagedllm_request_aborted",
+                               "Engine requests dropped unfinished (client went away, or the engine failed).",
                                registry=self.registry)
 
     def observe_finished(self, out: RequestOutput) -> None:

@@ -219,6 +219,11 @@ class Delta:
     finish_reason: str | None
     stop_reason: str | int | None
 
+    @classmethod
+    def whole(cls, out: CompletionOutput) -> "Delta":
+        """All of a finished choice at once: non-streamed responses share the streamed formatting."""
+        return cls(out.text, out.token_ids, out.logprobs, out.finish_reason, out.stop_reason)
+
 
 class DeltaTracker:
     """Turns one choice's cumulative outputs into deltas whose concatenation is the final text.

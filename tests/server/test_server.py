@@ -41,7 +41,8 @@ def wait_idle(server, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(server)
-        if m["pagedllm_num_requests_running"] == m["pagedllm_num_requests_waiting"] == m["pagedllm_kv_blocks_used"] == 0:
+        busy = m["pagedllm_num_requests_running"] + m["pagedllm_num_requests_waiting"] + m["pagedllm_kv_blocks_used"]
+        if busy == 0:
             return m
         assert time.monotonic() < deadline, f"engine not idle: {m}"
         time.sleep(0.1)
@@ -143,6 +144,7 @@ BAD_REQUESTS = [
     ("prompt too long", "/v1/completions", {"prompt": [1] * 1100, "max_tokens": 2}, "prompt"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, "model"),
     ("n too large", "/v1/chat/completions", {"messages": CHAT, "n": 100}, "n"),
+    ("n zero", "/v1/chat/completions", {"messages": CHAT, "n": 0}, "n"),
     ("bad top_p", "/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
     ("echo with logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
@@ -152,7 +154,8 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("path,body,param", [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_request_is_400(server, path, body, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{server.url}{path}", headers={**auth(server), "Content-Type": "application/json"}, timeout=30, **kw)
+    headers = {**auth(server), "Content-Type": "application/json"}
+    r = httpx.post(f"{server.url}{path}", headers=headers, timeout=30, **kw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
@@ -198,6 +201,22 @@ def test_metrics(server, client, model):
         assert name in m, name
     assert m["pagedllm_kv_blocks_free"] == m["pagedllm_kv_blocks_total"] and m["pagedllm_kv_cache_usage_percent"] == 0
     assert m["pagedllm_generation_tokens_total"] > 0 and m["pagedllm_time_to_first_token_seconds_count"] > 0
+
+
+def test_delta_tracker_holds_back_what_may_change():
+    """Deltas concatenate to the final text even when a stop string later cuts it, or a character is half-decoded."""
+    from pagedllm.engine.outputs import CompletionOutput
+    from pagedllm.server.protocol import DeltaTracker
+
+    def deltas(stop: list[str], steps: list[str], final: str) -> list[str]:
+        t = DeltaTracker(stop)
+        outs = [CompletionOutput(0, text, []) for text in steps] + [CompletionOutput(0, final, [], "stop")]
+        got = [t.advance(o).text for o in outs]
+        assert t.advance(outs[-1]) is None and "".join(got) == final
+        return got
+
+    assert deltas(["END"], ["ab", "abcE", "abcEN"], "abc") == ["", "ab", "c", ""]
+    assert deltas([], ["x", "xy\ufffd", "xy\u00e9"], "xy\u00e9!") == ["x", "y", "\u00e9", "!"]
 
 
 def test_cli(capsys):
