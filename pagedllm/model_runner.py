@@ -74,12 +74,14 @@ def greedy_generate(
     block_size: int | None = None,
     first_block: int = 0,
     prefill_chunk: int | None = None,
-) -> list[list[int]]:
+    return_logits: bool = False,
+):
     """Greedy decoding of all ``prompts`` packed in one batch (tests and benchmarks).
 
     Blocks are handed out sequentially from ``first_block`` (no KV manager). With
     ``prefill_chunk`` the prompts are prefilled in chunks of at most that many tokens per
-    sequence per step. Returns the ``max_new_tokens`` generated ids of each prompt (no EOS stop).
+    sequence per step. Returns the ``max_new_tokens`` generated ids of each prompt (no EOS stop);
+    with ``return_logits`` also each prompt's float32 logits ``[max_new_tokens, vocab]``.
     """
     bs = block_size or runner.block_size
     tables, nxt = [], first_block
@@ -92,6 +94,7 @@ def greedy_generate(
     seqs = [list(p) for p in prompts]
     done = [0] * len(prompts)  # tokens of each sequence already in the cache
     out: list[list[int]] = [[] for _ in prompts]
+    all_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     while any(len(o) < max_new_tokens for o in out):
         chunks, owners = [], []
         for i, s in enumerate(seqs):
@@ -110,4 +113,8 @@ def greedy_generate(
                 k += 1
                 out[i].append(tok)
                 seqs[i].append(tok)
+                if return_logits:
+                    all_logits[i].append(logits[k - 1])
+    if return_logits:
+        return out, [torch.stack(x) for x in all_logits]
     return out

@@ -14,6 +14,28 @@ import torch.nn.functional as F
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 GEMMs run natively (faster than fp32); without them they are
+    emulated and several times slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upcast: bool = False) -> torch.Tensor:
+    """``F.linear``; with ``upcast`` a low-precision GEMM runs in fp32 and rounds back to ``x.dtype``.
+
+    Same numbers as a bf16 GEMM with fp32 accumulation (what oneDNN does), but on CPUs without
+    native bf16 it is ~4x faster for batches and no slower for one token.
+    """
+    if not upcast:
+        return F.linear(x, w, b)
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 like Hugging Face's ``LlamaRMSNorm``.
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.layers import apply_rope, rms_norm, rope_cos_sin
+from pagedllm.models.layers import apply_rope, cpu_has_native_bf16, linear, rms_norm, rope_cos_sin
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -41,30 +41,37 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_weight = _param(2 * cfg.intermediate_size, E, dtype=dtype)
         self.down_weight = _param(E, cfg.intermediate_size, dtype=dtype)
         self.intermediate_size = cfg.intermediate_size
+        self.upcast = False  # set by LlamaForCausalLM: low-precision GEMMs computed in fp32
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, backend, scale):
+        up = self.upcast
         T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = rms_norm(h, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, up)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D)
         v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
         qk = apply_rope(qk, cos, sin)
         attn = backend.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, scale)  # [T, H, D]
-        h = h + F.linear(attn.reshape(T, H * D), self.o_weight, self.o_bias)
+        h = h + linear(attn.reshape(T, H * D), self.o_weight, self.o_bias, up)
         x = rms_norm(h, self.post_norm, self.eps)
-        gate_up = F.linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight, None, up)
         act = F.silu(gate_up[:, : self.intermediate_size])
         act.mul_(gate_up[:, self.intermediate_size :])
-        return h + F.linear(act, self.down_weight)
+        return h + linear(act, self.down_weight, None, up)
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids [T], positions [T], kv_cache, meta, backend) -> hidden [T, E]`` (final-normed)."""
+    """``forward(input_ids [T], positions [T], kv_cache, meta, backend) -> hidden [T, E]`` (final-normed).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+    ``upcast_matmuls``: run bf16/fp16 GEMMs in fp32 over the low-precision weights (same numbers
+    as a bf16 GEMM with fp32 accumulation). Default: on when the dtype is low precision and the
+    CPU lacks native bf16 (AVX512-BF16 / AMX), where native bf16 GEMMs are several times slower.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, upcast_matmuls: bool | None = None):
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -77,6 +84,11 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = cfg.head_dim**-0.5
+        if upcast_matmuls is None:
+            upcast_matmuls = dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16()
+        self.upcast_matmuls = bool(upcast_matmuls)
+        for layer in self.layers:
+            layer.upcast = self.upcast_matmuls
 
     # ------------------------------------------------------------------ weights
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
@@ -151,4 +163,6 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` of (final-normed) hidden states ``[N, E]``."""
+        if self.upcast_matmuls:
+            return F.linear(hidden.float(), self.lm_head.float())
         return F.linear(hidden, self.lm_head).float()
