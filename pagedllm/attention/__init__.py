@@ -1,20 +1,64 @@
-"""Attention backends over the paged KV pool, chosen by name."""
+"""Attention backends over the paged KV pool, chosen by name.
+
+``BACKENDS`` lists the backends that can run on this machine (the model tests parametrize over
+it): ``reference`` and ``flex`` always, ``cpu`` when a C++ compiler is present (the kernel is
+built on first use), ``triton`` only with CUDA and triton installed.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import torch
 
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata, write_kv
 
-BACKENDS = ("reference",)
+ALL_BACKENDS = ("reference", "flex", "cpu", "triton")
 
 
-def get_backend(name: str) -> AttentionBackend:
+def _available() -> tuple[str, ...]:
+    names = ["reference", "flex"]
+    if shutil.which("c++") or shutil.which("g++"):
+        names.append("cpu")
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        names.append("triton")
+    return tuple(names)
+
+
+BACKENDS = _available()
+# what the engine should use on CPU when nothing is named (see docs in pagedllm/bench/attention.py)
+DEFAULT_CPU_BACKEND = "cpu" if "cpu" in BACKENDS else "reference"
+
+
+def get_backend(name: str, **kwargs) -> AttentionBackend:
     """Instantiate the backend called ``name``; ValueError lists the known ones."""
     if name == "reference":
         from pagedllm.attention.reference import ReferenceBackend
 
         return ReferenceBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "flex":
+        from pagedllm.attention.flex import FlexBackend
+
+        return FlexBackend(**kwargs)
+    if name == "cpu":
+        from pagedllm.attention.cpu import CpuBackend
+
+        return CpuBackend(**kwargs)
+    if name == "triton":
+        from pagedllm.attention.triton_decode import TritonBackend
+
+        return TritonBackend(**kwargs)
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ALL_BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "write_kv", "BACKENDS"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "get_backend",
+    "write_kv",
+    "BACKENDS",
+    "ALL_BACKENDS",
+    "DEFAULT_CPU_BACKEND",
+]

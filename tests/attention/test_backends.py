@@ -1,0 +1,168 @@
+"""Every attention backend against the reference (gather + SDPA) on random paged batches."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from pagedllm.attention import ALL_BACKENDS, BACKENDS, get_backend
+from pagedllm.attention.reference import ReferenceBackend
+from pagedllm.bench.attention import make_random_batch
+
+HAS_CUDA_TRITON = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+# (query_lens, seq_lens): decodes first, then prefill chunks (a chunk with seq_len > query_len
+# has a cached prefix)
+CASES = {
+    "decode": ([1] * 6, [1, 16, 17, 64, 100, 1000]),
+    "prefill": ([37, 64], [37, 64]),
+    "mixed": ([1, 1, 1, 20, 33, 5], [5, 64, 1000, 84, 33, 48]),
+}
+
+
+def _check(backend, query_lens, seq_lens, atol, rtol=0.0, **kw):
+    b = make_random_batch(query_lens, seq_lens, **kw)
+    ref = ReferenceBackend()
+    kc_r, vc_r = b.k_cache.clone(), b.v_cache.clone()
+    expected = ref.forward(b.q, b.k, b.v, kc_r, vc_r, b.meta, b.scale)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    backend.prepare(b.meta)
+    got = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.equal(kc, kc_r) and torch.equal(vc, vc_r), "new K/V not written to the pool"
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
+    # a second layer of the same step reuses what prepare() built
+    got2 = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale)
+    torch.testing.assert_close(got2.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def test_backends_listing():
+    assert BACKENDS[0] == "reference"
+    assert set(BACKENDS) <= set(ALL_BACKENDS)
+    assert ("triton" in BACKENDS) == HAS_CUDA_TRITON
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("nope")
+
+
+def test_random_batch_helper_shuffles_tables():
+    b = make_random_batch([1, 1], [40, 40], block_size=16)
+    tables = b.meta.block_tables[:, :3].flatten().tolist()
+    assert len(set(tables)) == 6  # distinct blocks per sequence
+
+
+# ---- cpu (C++ kernel) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_backend():
+    if "cpu" not in BACKENDS:
+        pytest.skip("no C++ compiler: the cpu backend cannot be built")
+    return get_backend("cpu")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("group", [1, 3])
+def test_cpu_fp32(cpu_backend, case, block_size, group):
+    ql, sl = CASES[case]
+    _check(cpu_backend, ql, sl, atol=1e-5, block_size=block_size, group=group, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_bf16_cache(cpu_backend, q_dtype):
+    ql, sl = CASES["mixed"]
+    _check(cpu_backend, ql, sl, atol=2e-2, rtol=2e-2, dtype=q_dtype, cache_dtype=torch.bfloat16)
+
+
+def test_cpu_head_dim_not_multiple_of_8_and_unshuffled(cpu_backend):
+    _check(cpu_backend, [1, 9], [30, 9], atol=1e-5, head_dim=20, shuffle=False, block_size=4)
+
+
+def test_cpu_q_tiles(cpu_backend):
+    from pagedllm.attention.cpu import CpuBackend
+
+    for tile in (1, 7, 64):
+        _check(CpuBackend(q_tile=tile), [1, 50], [300, 50], atol=1e-5)
+    _check(CpuBackend(sdpa_prefill_min_len=16), [1, 8, 50], [300, 20, 50], atol=1e-5)
+
+
+def test_cpu_shared_blocks(cpu_backend):
+    """Two sequences reading the same physical prefix blocks (prefix cache / fork)."""
+    b = make_random_batch([1, 1], [40, 40], block_size=16)
+    t = b.meta.block_tables.clone()
+    t[1, :2] = t[0, :2]
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    meta = AttentionMetadata.build([1, 1], [40, 40], t.tolist(), 16)
+    ref = ReferenceBackend().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), meta, b.scale)
+    got = cpu_backend.forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), meta, b.scale)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+# ---- flex (compiled FlexAttention) --------------------------------------------------------
+# Each (block size, GQA group, dtype, Q block size) is one inductor compile (tens of seconds on
+# a cold cache), so flex runs a smaller matrix; the compiled function is shared process-wide.
+
+
+@pytest.fixture(scope="module")
+def flex_backend():
+    return get_backend("flex")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flex_fp32(flex_backend, case):
+    ql, sl = CASES[case]
+    _check(flex_backend, ql, sl, atol=1e-5, block_size=16, group=3)
+
+
+def test_flex_varying_batches_and_pool(flex_backend):
+    for ql, sl in [([1] * 3, [5, 16, 200]), ([1] * 9 + [40], [3] * 9 + [90]), ([70], [70])]:
+        _check(flex_backend, ql, sl, atol=1e-5, block_size=16, group=3)
+
+
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_flex_block_sizes(flex_backend, block_size):
+    ql, sl = CASES["mixed"]
+    _check(flex_backend, ql, sl, atol=1e-5, block_size=block_size, group=3)
+
+
+def test_flex_shared_blocks(flex_backend):
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    b = make_random_batch([1, 1], [40, 40], block_size=16)
+    t = b.meta.block_tables.clone()
+    t[1, :2] = t[0, :2]
+    meta = AttentionMetadata.build([1, 1], [40, 40], t.tolist(), 16)
+    ref = ReferenceBackend().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), meta, b.scale)
+    flex_backend.prepare(meta)
+    got = flex_backend.forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), meta, b.scale)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+# ---- triton (CUDA) ------------------------------------------------------------------------
+
+
+def test_triton_module_imports_without_cuda():
+    import pagedllm.attention.triton_decode as td
+
+    assert hasattr(td, "TritonBackend")
+
+
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="triton backend needs a CUDA GPU and the triton package")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("group", [1, 3])
+def test_triton(case, block_size, group):
+    ql, sl = CASES[case]
+    backend = get_backend("triton")
+    b = make_random_batch(ql, sl, block_size=block_size, group=group, num_kv_heads=2)
+    ref = ReferenceBackend().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta, b.scale)
+    dev = torch.device("cuda")
+    meta = b.meta
+    moved = type(meta)(**{f: (getattr(meta, f).to(dev) if isinstance(getattr(meta, f), torch.Tensor) else getattr(meta, f))
+                          for f in meta.__dataclass_fields__})
+    backend.prepare(moved)
+    got = backend.forward(b.q.to(dev), b.k.to(dev), b.v.to(dev), b.k_cache.to(dev), b.v_cache.to(dev), moved, b.scale)
+    torch.testing.assert_close(got.cpu(), ref, atol=2e-5, rtol=0)
