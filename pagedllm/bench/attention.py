@@ -84,11 +84,11 @@ def _median_time(fn, reps: int, warmup: int = 2) -> float:
 SMOLLM2 = dict(num_kv_heads=3, group=3, head_dim=64)
 
 
-def run(quick: bool = False, backends: tuple[str, ...] | None = None, context: int = 512) -> dict:
+def run(quick: bool = False, backends: tuple[str, ...] | None = None, context: int = 512, reps: int | None = None) -> dict:
     from pagedllm.attention import BACKENDS, get_backend
 
     names = tuple(backends or BACKENDS)
-    reps = 5 if quick else 15
+    reps = reps or (5 if quick else 11)
     batches = (1, 8) if quick else (1, 8, 32, 64)
     prefill_len = 128 if quick else 512
     result: dict = {
