@@ -102,9 +102,9 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
                 raise
 
-        await self.call(add)
         finished = False
         try:
+            await self.call(add)  # inside try: a caller cancelled mid-add still aborts the request
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -237,8 +237,12 @@ class LLMEngine:
         elif token in p.stop_token_ids:
             reason, stop_reason = "stop", token
         elif p.stop and seq.num_output_tokens >= p.min_tokens:
+            # only text that is new since the last check (plus a stop string's overlap) can hold a new match
+            if seq.num_output_tokens == max(p.min_tokens, 1):  # first check: text before this token is exempt
+                seq.text = self.tokenizer.decode(seq.output_token_ids[:-1], skip_special_tokens=p.skip_special_tokens)
+            start = max(0, len(seq.text) - max(len(s) for s in p.stop) + 1)
             seq.text = self.detokenize(seq)
-            hits = [(seq.text.find(s), s) for s in p.stop if s in seq.text]
+            hits = [(i, s) for s in p.stop if (i := seq.text.find(s, start)) >= 0]
             if hits:
                 pos, s = min(hits)
                 seq.text = seq.text[:pos]
