@@ -24,24 +24,25 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, act_dtype: torch.dtype, upcast: bool):
         super().__init__()
         H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
         self.q_size, self.kv_size = H * D, Hkv * D
         self.eps = cfg.rms_norm_eps
-        self.input_norm = _param(E, dtype=dtype)
+        self.upcast = upcast  # low-precision weight matrices, GEMMs computed in fp32
+        # matrices in the storage dtype; norms and biases (tiny) in the activation dtype
+        self.input_norm = _param(E, dtype=act_dtype)
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, E, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=act_dtype) if cfg.attention_bias else None
         self.o_weight = _param(E, self.q_size, dtype=dtype)
         self.o_bias: nn.Parameter | None = None  # Llama with attention_bias has one; set by the loader
         # Qwen3: per-head RMSNorm of q and k, stacked [H + Hkv, D] so one op normalises both
-        self.qk_norm = _param(H + Hkv, D, dtype=dtype) if cfg.qk_norm else None
-        self.post_norm = _param(E, dtype=dtype)
+        self.qk_norm = _param(H + Hkv, D, dtype=act_dtype) if cfg.qk_norm else None
+        self.post_norm = _param(E, dtype=act_dtype)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, E, dtype=dtype)
         self.down_weight = _param(E, cfg.intermediate_size, dtype=dtype)
         self.intermediate_size = cfg.intermediate_size
-        self.upcast = False  # set by LlamaForCausalLM: low-precision GEMMs computed in fp32
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, backend, scale):
         up = self.upcast
@@ -66,9 +67,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], kv_cache, meta, backend) -> hidden [T, E]`` (final-normed).
 
-    ``upcast_matmuls``: run bf16/fp16 GEMMs in fp32 over the low-precision weights (same numbers
-    as a bf16 GEMM with fp32 accumulation). Default: on when the dtype is low precision and the
-    CPU lacks native bf16 (AVX512-BF16 / AMX), where native bf16 GEMMs are several times slower.
+    ``dtype`` is the storage dtype of the weight matrices. ``upcast_matmuls`` (default: on for
+    bf16/fp16 on a CPU without native bf16, i.e. no AVX512-BF16/AMX, where bf16 GEMMs are emulated
+    and ~4-6x slower than fp32): keep the matrices in ``dtype`` (half the memory) but run GEMMs
+    and activations in fp32, each matrix upcast as it is used. Off: everything in ``dtype`` like
+    HF's bf16 path. The KV cache dtype is the KVCache's own setting (backends cast on write).
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, upcast_matmuls: bool | None = None):
@@ -76,19 +79,21 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         cfg = config
+        if upcast_matmuls is None:
+            upcast_matmuls = dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16()
+        self.upcast_matmuls = bool(upcast_matmuls) and dtype != torch.float32
+        self.act_dtype = torch.float32 if self.upcast_matmuls else dtype
+        act = self.act_dtype
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, act, self.upcast_matmuls) for _ in range(cfg.num_layers)
+        )
+        self.norm = _param(cfg.hidden_size, dtype=act)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, dtype)
+        cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, act)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = cfg.head_dim**-0.5
-        if upcast_matmuls is None:
-            upcast_matmuls = dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16()
-        self.upcast_matmuls = bool(upcast_matmuls)
-        for layer in self.layers:
-            layer.upcast = self.upcast_matmuls
 
     # ------------------------------------------------------------------ weights
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
@@ -127,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
                 put(layer.o_weight, get(a + "o_proj.weight"))
                 o_bias = sd.get(a + "o_proj.bias")
                 if o_bias is not None:
-                    layer.o_bias = nn.Parameter(o_bias.detach().to(self.dtype).clone(), requires_grad=False)
+                    layer.o_bias = nn.Parameter(o_bias.detach().to(self.act_dtype).clone(), requires_grad=False)
                 if layer.qk_norm is not None:
                     qn, kn = get(a + "q_norm.weight"), get(a + "k_norm.weight")
                     if qn is not None and kn is not None:
@@ -152,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One pass over the flat batch; calls ``backend.prepare(meta)`` once before the layers."""
         backend.prepare(meta)
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed).to(self.act_dtype)
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)
         for i, layer in enumerate(self.layers):

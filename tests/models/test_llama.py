@@ -216,8 +216,9 @@ def test_smollm2_chunked_prefill_equals_one_pass(smol, backend):
 
 @pytest.mark.slow
 def test_smollm2_bf16_top1_agrees_with_fp32_hf(smol):
-    """bf16 weights and KV: top-1 agrees with fp32 HF on >= 99% of the positions of a
-    2,048-token text (4 consecutive 512-token windows, packed as one batch)."""
+    """bf16 weights and KV cache: top-1 agrees with fp32 HF on >= 99% of the positions of a
+    2,048-token text (4 consecutive 512-token windows, packed as one batch). On this CPU (no
+    native bf16) the model's default runs GEMMs/activations in fp32 over the bf16 weights."""
     hf, _, _, ids = smol
     windows = [ids[i * 512 : (i + 1) * 512] for i in range(4)]
     with torch.no_grad():
