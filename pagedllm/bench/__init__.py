@@ -1,0 +1,1 @@
+"""Benchmarks: ``pagedllm bench <name>`` (see ``pagedllm.bench.cli``)."""

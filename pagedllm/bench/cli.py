@@ -1,0 +1,133 @@
+"""``pagedllm bench <name>``: each bench prints a Markdown table and writes JSON + PNG into ``--out``.
+
+Common flags: ``--quick`` (tiny CI-sized workload), ``--out DIR`` (default ``bench_out/``),
+``--dtype`` (default ``auto``: bf16 only where the CPU has fast bf16, else fp32; every system in a run
+uses the same dtype), ``--seed``, ``--engine KEY=VALUE`` (repeatable EngineArgs override).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import time
+
+BENCHES = {
+    "throughput": "offline W1 workload vs HF generate (Dynamic/StaticCache), HF generate_batch, llama.cpp, vLLM",
+    "sweep": "batch sizes 1..64 of one prompt: total tok/s, ms/tok, TTFT, peak memory",
+    "waste": "naive (padded) batching waste on seed 003's four prompts vs continuous batching",
+    "latency": "static vs continuous per-request latency; Poisson serving run against the server",
+    "memory": "KV bytes: static vs dynamic vs paged at concurrency 1..32; paged overhead per block size",
+    "prefix": "shared system prompt and multi-turn chat: prefix caching on/off, fcfs vs lpm",
+    "context": "long context: ms/token vs length to 8k, mixed batch, chat growth; paged vs HF DynamicCache",
+    "alloc": "block manager microbenchmark",
+    "attention": "attention backend microbenchmark",
+}
+
+
+def _engine_overrides(items: list[str]) -> dict:
+    import dataclasses
+
+    from pagedllm.engine.args import EngineArgs
+
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise SystemExit(f"--engine expects KEY=VALUE, got {it!r}")
+        k, v = it.split("=", 1)
+        k = k.replace("-", "_")
+        if k not in fields:
+            raise SystemExit(f"unknown engine arg {k!r}; see pagedllm/engine/args.py")
+        default = fields[k].default
+        if isinstance(default, bool):
+            out[k] = v.lower() in ("1", "true", "yes", "on")
+        elif isinstance(default, int) or k in ("num_blocks", "kv_cache_memory", "max_model_len"):
+            out[k] = int(float(v))
+        elif isinstance(default, float):
+            out[k] = float(v)
+        else:
+            out[k] = v
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm bench", description="pagedllm benchmarks",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(f"  {k:<11} {v}" for k, v in BENCHES.items()))
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
+    for name, help_ in BENCHES.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--quick", action="store_true", help="tiny workload (CI smoke); numbers are not meaningful")
+        p.add_argument("--out", default="bench_out", help="output folder for <name>.md/.json/.png (default bench_out/)")
+        p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (same for all systems)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                       help="override an EngineArgs field for our engine (repeatable)")
+        p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+        p.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
+        if name in ("alloc", "attention"):
+            continue
+        try:
+            mod = importlib.import_module(f"pagedllm.bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"pagedllm.bench.{name}":
+                raise
+            continue
+        if hasattr(mod, "add_args"):
+            mod.add_args(p)
+    return parser
+
+
+def run_external(name: str, args) -> object:
+    """alloc / attention: their modules expose ``run(quick) -> dict`` and ``to_markdown(result)``."""
+    from pagedllm.bench.report import Report
+
+    try:
+        mod = importlib.import_module(f"pagedllm.bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"pagedllm.bench.{name}":
+            raise
+        rep = Report(name, f"{name} microbenchmark", [f"pagedllm.bench.{name} is not available in this build; skipped"])
+        rep.result = {"skipped": True}
+        return rep
+    result = mod.run(quick=args.quick)
+    rep = Report(name, f"{name} microbenchmark", ["quick run" if args.quick else "full run"])
+    rep.result = result
+    rep.markdown = mod.to_markdown(result)
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.getLogger("pagedllm").setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.engine_args = _engine_overrides(args.engine)
+    if args.quick and not {"kv_cache_memory", "num_blocks"} & set(args.engine_args):
+        args.engine_args["kv_cache_memory"] = 256 << 20  # tiny runs: skip zeroing a multi-GB pool
+    from pagedllm.bench.report import emit
+    from pagedllm.engine.args import resolve_dtype
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    t0 = time.monotonic()
+    if args.bench in ("alloc", "attention"):
+        rep, plot = run_external(args.bench, args), None
+    else:
+        mod = importlib.import_module(f"pagedllm.bench.{args.bench}")
+        rep = mod.run(args)
+        plot = getattr(mod, "plot", None)
+    rep.notes.append(f"bench wall time {time.monotonic() - t0:.0f} s; {os.cpu_count()} CPUs; "
+                     f"dtype {resolve_dtype(args.dtype)}{'; --quick' if args.quick else ''}")
+    paths = emit(rep, args.out, None if args.no_plot else plot, dtype=str(resolve_dtype(args.dtype)))
+    print(f"\nwrote {paths['md']}, {paths['json']}, {paths['png']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

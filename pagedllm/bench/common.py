@@ -1,0 +1,218 @@
+"""Shared bench plumbing: building our engine, driving it with a progress bar, peak-memory sampling."""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from pagedllm.bench.workloads import BenchRequest
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakRSS:
+    """Samples the process RSS every few ms in a thread; ``peak_mb`` is the peak above the start."""
+
+    def __init__(self, interval: float = 0.003):
+        self.interval = interval
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._t: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRSS:
+        gc.collect()
+        self.start = self.peak = rss_bytes()
+        self._stop.clear()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._t:
+            self._t.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def peak_mb(self) -> float:
+        return (self.peak - self.start) / 2**20
+
+    @property
+    def peak_total_mb(self) -> float:
+        return self.peak / 2**20
+
+
+_LLMS: dict = {}
+REUSE_ENGINES = False  # the smoke tests turn this on: one engine per distinct config per process
+
+
+def make_llm(dtype: str = "auto", seed: int = 0, **engine_args):
+    """A fresh ``LLM`` (or, with ``REUSE_ENGINES``, a cached one with the same settings: loading the
+    weights dominates the tiny --quick runs)."""
+    import dataclasses
+
+    from pagedllm import LLM
+    from pagedllm.engine.args import EngineArgs
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    key = (dtype, seed, tuple(sorted((k, v) for k, v in engine_args.items() if defaults.get(k, object()) != v)))
+    if REUSE_ENGINES and key in _LLMS:
+        return _LLMS[key]
+    llm = LLM(dtype=dtype, seed=seed, **engine_args)
+    if REUSE_ENGINES:
+        _LLMS[key] = llm
+    return llm
+
+
+def engine_warmup(llm, n: int = 2) -> None:
+    """One short request so first-call costs (allocations, backend setup) stay out of the timings."""
+    from pagedllm import SamplingParams
+
+    eng = llm.engine
+    ids = eng.tokenizer.encode("Warm up the engine with a short prompt.", add_special_tokens=False)
+    llm.generate([ids] * n, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False)
+
+
+@dataclass
+class RunResult:
+    """One system's run over a workload."""
+
+    system: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)  # arrival -> finished, per request
+    tpot_s: list[float] = field(default_factory=list)  # per request mean inter-token time
+    output_lens: list[int] = field(default_factory=list)
+    peak_mb: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("ttft_s", "latency_s", "tpot_s", "output_lens")}
+        d.update(requests_per_s=self.requests_per_s, output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s,
+                 mean_ttft_s=mean(self.ttft_s), mean_latency_s=mean(self.latency_s), mean_tpot_s=mean(self.tpot_s))
+        return d
+
+
+def mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def percentile(xs, p: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_eos: bool = True,
+               desc: str | None = None, progress: bool = True, measure_memory: bool = False) -> RunResult:
+    """Submit every request at t0 and step the engine to completion (continuous batching as configured).
+
+    Returns timings from each request's metrics plus the peak KV blocks in use.
+    """
+    from pagedllm import SamplingParams
+
+    eng = llm.engine
+    stats0 = (eng.stats.prompt_tokens_computed, eng.stats.prompt_tokens_cached, eng.stats.num_steps,
+              eng.stats.num_preemptions)
+    mem = PeakRSS() if measure_memory else None
+    if mem:
+        mem.__enter__()
+    t0 = time.monotonic()
+    handles = [eng.add_request(r.prompt_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=ignore_eos,
+                                                            temperature=0.0)) for r in reqs]
+    bar = tqdm(total=len(reqs), desc=desc or system, unit="req", disable=not progress, dynamic_ncols=True,
+               leave=False)
+    peak_used, done = 0, 0
+    try:
+        while eng.has_unfinished():
+            eng.step()
+            peak_used = max(peak_used, eng.kv.stats()["used"])
+            n = sum(1 for h in handles if h.finished)
+            if n > done:
+                bar.update(n - done)
+                done = n
+    finally:
+        bar.close()
+    elapsed = time.monotonic() - t0
+    if mem:
+        mem.__exit__(None, None, None)
+    outs = [eng.output(h) for h in handles]
+    res = RunResult(system, elapsed, len(reqs), sum(r.prompt_len for r in reqs), 0)
+    for h, o in zip(handles, outs):
+        m = h.metrics
+        n = len(o.outputs[0].token_ids)
+        res.output_tokens += n
+        res.output_lens.append(n)
+        res.ttft_s.append(m.first_token_time - m.arrival_time if m.first_token_time else None)
+        res.latency_s.append(m.finished_time - m.arrival_time if m.finished_time else None)
+        res.tpot_s.append(m.time_per_output_token(n))
+    from pagedllm.kv.kv_cache import KVCache
+
+    cfg = eng.model_config
+    bpb = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eng.kv.block_size,
+                                  eng.kv_cache.dtype if hasattr(eng.kv_cache, "dtype") else eng.kv_cache.data.dtype)
+    res.peak_mb = mem.peak_mb if mem else None
+    res.extra = {
+        "peak_kv_blocks": peak_used,
+        "peak_kv_mb": peak_used * bpb / 2**20,
+        "prompt_tokens_computed": eng.stats.prompt_tokens_computed - stats0[0],
+        "prompt_tokens_cached": eng.stats.prompt_tokens_cached - stats0[1],
+        "num_steps": eng.stats.num_steps - stats0[2],
+        "num_preemptions": eng.stats.num_preemptions - stats0[3],
+        "outputs": outs,
+    }
+    return res
+
+
+def strip_outputs(d: dict) -> dict:
+    """RunResult.summary() without the RequestOutput objects (for JSON)."""
+    d = dict(d)
+    extra = dict(d.get("extra") or {})
+    extra.pop("outputs", None)
+    d["extra"] = extra
+    return d
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or b != b:
+        return None
+    return a / b

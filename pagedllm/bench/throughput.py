@@ -1,0 +1,158 @@
+"""``pagedllm bench throughput``: offline W1 workload, our engine vs the baselines, plus batch-1 decode speed."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedllm.bench import baselines as bl
+from pagedllm.bench.common import (
+    engine_warmup,
+    make_llm,
+    ratio,
+    run_engine,
+    strip_outputs,
+)
+from pagedllm.bench.report import Report, Table
+from pagedllm.bench.workloads import W1, W1_QUICK, BenchRequest, corpus, random_requests
+
+ALL_BASELINES = ("hf-dynamic", "hf-static", "hf-cb", "llama-cpp", "vllm")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=None, help=f"number of requests (W1: {W1['num']})")
+    p.add_argument("--min-prompt", type=int, default=None)
+    p.add_argument("--max-prompt", type=int, default=None)
+    p.add_argument("--min-output", type=int, default=None)
+    p.add_argument("--max-output", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="HF padded batch size (default 16; quick 4)")
+    p.add_argument("--baselines", default=",".join(ALL_BASELINES),
+                   help=f"comma list of {', '.join(ALL_BASELINES)} (or 'none')")
+    p.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (default 128)")
+
+
+def workload(args) -> tuple[dict, bool]:
+    base = dict(W1_QUICK if args.quick else W1)
+    if args.requests:
+        base["num"] = args.requests
+    pr, orr = list(base["prompt_range"]), list(base["output_range"])
+    for i, v in ((0, args.min_prompt), (1, args.max_prompt)):
+        if v:
+            pr[i] = v
+    for i, v in ((0, args.min_output), (1, args.max_output)):
+        if v:
+            orr[i] = v
+    base["prompt_range"], base["output_range"] = tuple(pr), tuple(orr)
+    return base, base == W1
+
+
+def decode_b1(llm, dtype: torch.dtype, tokens: int, hf: bool, seed: int) -> dict:
+    """Batch-1 decode tok/s: one 32-token prompt, ``tokens`` outputs; (n-1)/(finish - first token)."""
+    import random
+
+    tok = llm.engine.tokenizer
+    ids = corpus(tok, seed).window(32, random.Random(seed + 1))
+    r = run_engine(llm, [BenchRequest(ids, tokens)], system="pagedllm b1", progress=False)
+    out = {"pagedllm": 1.0 / r.tpot_s[0] if r.tpot_s[0] else None, "tokens": tokens}
+    if hf:
+        model, htok = bl.hf_model(dtype)
+        bl.hf_generate(model, htok, [ids], 2)
+        t0 = time.perf_counter()
+        bl.hf_generate(model, htok, [ids], 1)
+        t1 = time.perf_counter()
+        bl.hf_generate(model, htok, [ids], tokens)
+        t2 = time.perf_counter()
+        # ttft ~ (t1 - t0); decode time = total - prefill
+        out["hf_dynamic"] = (tokens - 1) / max(1e-9, (t2 - t1) - (t1 - t0))
+    return out
+
+
+def run(args) -> Report:
+    dtype_name = args.dtype
+    from pagedllm.engine.args import resolve_dtype
+
+    dtype = resolve_dtype(dtype_name)
+    w, is_w1 = workload(args)
+    bs = args.batch_size or (4 if args.quick else 16)
+    chosen = [] if args.baselines == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    llm = make_llm(dtype_name, seed=args.seed, **args.engine_args)
+    tok = llm.engine.tokenizer
+    reqs = random_requests(tok, w["num"], w["prompt_range"], w["output_range"], seed=args.seed)
+    engine_warmup(llm)
+
+    results, skipped = [], []
+    ours = run_engine(llm, reqs, desc="pagedllm")
+    results.append(ours)
+    for b in chosen:
+        if b == "hf-dynamic":
+            results.append(bl.hf_padded(reqs, dtype, bs, "dynamic"))
+        elif b == "hf-static":
+            results.append(bl.hf_padded(reqs, dtype, bs, "static"))
+        elif b == "hf-cb":
+            results.append(bl.hf_continuous(reqs, dtype, max_batch_tokens=llm.engine.args.max_num_batched_tokens,
+                                            max_requests=llm.engine.args.max_num_seqs))
+        elif b == "llama-cpp":
+            results.append(bl.llama_cpp(reqs))
+        elif b == "vllm":
+            results.append(bl.vllm_cpu(reqs, dtype))
+        else:
+            raise SystemExit(f"unknown baseline {b!r}; choose from {', '.join(ALL_BASELINES)}")
+    ran = [r for r in results if not isinstance(r, bl.Skipped)]
+    skipped = [r for r in results if isinstance(r, bl.Skipped)]
+
+    dec_tokens = args.decode_tokens or (16 if args.quick else 128)
+    b1 = decode_b1(llm, dtype, dec_tokens, hf="hf-dynamic" in chosen, seed=args.seed)
+
+    rows = []
+    for r in ran:
+        rows.append([r.system, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.elapsed_s,
+                     ratio(ours.output_tok_s, r.output_tok_s), ""])
+    for s in skipped:
+        rows.append([s.system, None, None, None, None, None, s.note])
+    cols = ["system", "req/s", "output tok/s", "total tok/s", "time (s)", "pagedllm speedup", "note"]
+    b1_rows = [["pagedllm", b1["pagedllm"]]] + ([["HF generate (DynamicCache)", b1["hf_dynamic"]]]
+                                                if "hf_dynamic" in b1 else [])
+    mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
+    mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
+    notes = [
+        f"Workload {'W1' if is_w1 else 'W1 scaled down'}: {w['num']} requests, prompt {w['prompt_range'][0]}-"
+        f"{w['prompt_range'][1]} tokens (mean {mean_p:.0f}), output {w['output_range'][0]}-{w['output_range'][1]} "
+        f"(mean {mean_o:.0f}), ignore_eos, greedy; prompts = windows of Wikipedia summaries; seed {args.seed}.",
+        f"dtype {dtype} for every system (same weights: the embedded SmolLM2-135M-Instruct); HF padded batches of "
+        f"{bs} in arrival order (output tok/s counts only the tokens each request asked for).",
+        f"engine: max_num_seqs {llm.engine.args.max_num_seqs}, max_num_batched_tokens "
+        f"{llm.engine.args.max_num_batched_tokens}, block_size {llm.engine.args.block_size}, "
+        f"{ours.extra['num_steps']} steps, {ours.extra['num_preemptions']} preemptions, peak KV "
+        f"{ours.extra['peak_kv_mb']:.0f} MB.",
+    ]
+    rep = Report("throughput", "Offline throughput (W1)", notes,
+                 [Table(cols, rows, "Throughput", 2), Table(["system", "decode tok/s"], b1_rows,
+                                                              f"Batch-1 decode ({dec_tokens} tokens after a 32-token prompt)", 1)])
+    rep.result = {"workload": {**w, "mean_prompt": mean_p, "mean_output": mean_o, "seed": args.seed, "is_w1": is_w1},
+                  "runs": [strip_outputs(r.summary()) for r in ran],
+                  "skipped": [{"system": s.system, "note": s.note} for s in skipped],
+                  "speedup": {r.system: ratio(ours.output_tok_s, r.output_tok_s) for r in ran if r is not ours},
+                  "decode_b1_tok_s": b1, "hf_batch_size": bs}
+    return rep
+
+
+def plot(fig, result: dict) -> None:
+    ax = fig.add_subplot(121)
+    runs = result["runs"]
+    names = [r["system"].replace(", padded", "\npadded").replace(" (", "\n(") for r in runs]
+    vals = [r["output_tok_s"] for r in runs]
+    ax.barh(range(len(runs)), vals, color=["tab:orange"] + ["tab:blue"] * (len(runs) - 1))
+    ax.set_yticks(range(len(runs)), names, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("output tok/s")
+    ax.set_title("W1 throughput", fontsize=9)
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:.0f}", va="center", fontsize=7)
+    ax2 = fig.add_subplot(122)
+    b1 = {k: v for k, v in result["decode_b1_tok_s"].items() if k != "tokens" and v}
+    ax2.bar(list(b1), list(b1.values()), color=["tab:orange", "tab:blue"][: len(b1)])
+    ax2.set_ylabel("tok/s")
+    ax2.set_title("batch-1 decode", fontsize=9)
+    ax2.tick_params(axis="x", labelsize=7)

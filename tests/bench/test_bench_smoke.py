@@ -1,0 +1,137 @@
+"""CI smoke: every ``pagedllm bench <name> --quick`` runs on the embedded model and writes its md/json/png.
+
+Checks the outputs' structure (files, keys, baselines ran or were skipped with a note), never timings.
+All benches run in one process with engines reused per distinct config (loading weights dominates).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TINY = {
+    "throughput": ["--requests", "3", "--max-prompt", "24", "--max-output", "6", "--min-output", "2",
+                   "--batch-size", "2", "--decode-tokens", "6"],
+    "sweep": ["--batch-sizes", "1,2", "--new-tokens", "4"],
+    "waste": ["--max-tokens", "6", "--repeat", "1"],
+    "latency": ["--max-tokens", "6", "--num-requests", "3", "--rate", "4", "--serve-time", "60"],
+    "memory": [],
+    "prefix": ["--requests", "3", "--system-tokens", "32", "--conversations", "2", "--turns", "2"],
+    "context": ["--decode-tokens", "3", "--max-context", "48", "--hf-max-context", "48", "--mixed-step", "8",
+                "--chat-turns", "32,48"],
+    "alloc": [],
+    "attention": [],
+}
+
+
+@pytest.fixture(scope="module")
+def outdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench_out")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reuse_engines():
+    from pagedllm.bench import common
+
+    old = common.REUSE_ENGINES
+    common.REUSE_ENGINES = True
+    yield
+    common.REUSE_ENGINES = old
+    common._LLMS.clear()
+
+
+def run_bench(name: str, outdir: Path, capsys) -> dict:
+    from pagedllm.bench.cli import main
+
+    rc = main([name, "--quick", "--out", str(outdir), *TINY[name]])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "|" in stdout and "---" in stdout, "a Markdown table goes to stdout"
+    for ext in ("md", "json", "png"):
+        p = outdir / f"{name}.{ext}"
+        assert p.is_file() and p.stat().st_size > 0, p
+    assert (outdir / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((outdir / f"{name}.json").read_text())
+    for key in ("name", "title", "notes", "tables", "result", "environment"):
+        assert key in data
+    assert data["environment"]["dtype"]
+    return data
+
+
+def test_throughput(outdir, capsys):
+    d = run_bench("throughput", outdir, capsys)
+    r = d["result"]
+    systems = [x["system"] for x in r["runs"]]
+    assert systems[0] == "pagedllm"
+    assert any("DynamicCache" in s for s in systems) and any("StaticCache" in s for s in systems)
+    named = systems + [s["system"] for s in r["skipped"]]
+    for want in ("generate_batch", "llama.cpp", "vLLM"):
+        assert any(want in s for s in named), f"{want} neither ran nor was skipped"
+    for s in r["skipped"]:
+        assert s["note"]
+    for run in r["runs"]:
+        assert run["output_tokens"] > 0 and run["elapsed_s"] > 0
+    assert all(v is None or v > 0 for v in r["speedup"].values())
+    assert r["decode_b1_tok_s"]["pagedllm"] > 0
+    # the skipped baselines appear in the table with their note
+    rows = d["tables"][0]["rows"]
+    assert len(rows) == len(r["runs"]) + len(r["skipped"])
+
+
+def test_sweep(outdir, capsys):
+    r = run_bench("sweep", outdir, capsys)["result"]
+    assert set(map(str, r["pagedllm"])) == {"1", "2"} and set(map(str, r["hf_dynamic"])) == {"1", "2"}
+    for v in r["pagedllm"].values():
+        for k in ("total_tok_s", "ms_per_tok", "ttft_ms", "peak_mb", "kv_mb"):
+            assert k in v
+
+
+def test_waste(outdir, capsys):
+    d = run_bench("waste", outdir, capsys)
+    r = d["result"]
+    assert len(r["needed"]) == 4 and r["ran_for"] == max(r["needed"])
+    assert all(0 <= w <= 100 for w in r["waste_pct"])
+    assert len(r["hf_needed"]) == 4
+    assert len(r["queue"]) == 3  # continuous, static, HF padded
+
+
+def test_latency(outdir, capsys):
+    r = run_bench("latency", outdir, capsys)["result"]
+    demo = r["demo"]
+    assert len(demo["static"]["latency_s"]) == 8 == len(demo["continuous"]["latency_s"])
+    s = r["serving"]
+    assert "skipped" in s or s["completed"] >= 1, s
+
+
+def test_memory(outdir, capsys):
+    r = run_bench("memory", outdir, capsys)["result"]
+    assert r["pool_bytes_match"] is True
+    for row in r["wall"]:
+        assert row["static_gb"] >= row["paged_gb"] >= row["needed_gb"] > 0
+    for d in r["overhead_pct"].values():
+        assert set(map(str, d)) == {"8", "16", "32", "64", "128"}
+        assert all(v >= 0 for v in d.values())
+
+
+def test_prefix(outdir, capsys):
+    r = run_bench("prefix", outdir, capsys)["result"]
+    for key in ("shared", "chat"):
+        assert len(r[key]) == 3
+        off = r[key]["no prefix cache, fcfs"]
+        on = r[key]["prefix cache, fcfs"]
+        assert off["hit_rate"] == 0.0
+        assert on["prompt_computed"] <= off["prompt_computed"]
+
+
+def test_context(outdir, capsys):
+    r = run_bench("context", outdir, capsys)["result"]
+    assert r["single"] and r["mixed"]["pagedllm"] and r["chat"]
+    assert "pagedllm" in r["slope_ms_per_1k"]
+
+
+@pytest.mark.parametrize("name", ["alloc", "attention"])
+def test_external(name, outdir, capsys):
+    d = run_bench(name, outdir, capsys)
+    assert d["result"]
