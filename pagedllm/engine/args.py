@@ -8,23 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.models.layers import cpu_has_native_bf16
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX make bf16 matmuls several times faster than fp32; without them bf16 is slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
-        if torch.cuda.is_available() or cpu_has_fast_bf16():
+        if torch.cuda.is_available() or cpu_has_native_bf16():
             return torch.bfloat16
         return torch.float32
     if name not in DTYPES:
