@@ -41,8 +41,19 @@ def make_runner(model: LlamaForCausalLM, backend_name: str, num_blocks: int, dty
     return ModelRunner(model, kv, backend_or_skip(backend_name))
 
 
+_HF_MEMO: dict = {}
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """HF generate on one prompt (no padding): new tokens and the logits of each step."""
+    """HF generate on one prompt (no padding): new tokens and the logits of each step
+    (memoised: every backend is compared with the same oracle run)."""
+    key = (id(hf), tuple(prompt), n)
+    if key not in _HF_MEMO:
+        _HF_MEMO[key] = _hf_greedy(hf, prompt, n)
+    return _HF_MEMO[key]
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     ids = torch.tensor([prompt])
     out = hf.generate(
         ids,
