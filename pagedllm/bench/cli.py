@@ -22,6 +22,8 @@ BENCHES = {
     "memory": "KV bytes: static vs dynamic vs paged at concurrency 1..32; paged overhead per block size",
     "prefix": "shared system prompt and multi-turn chat: prefix caching on/off, fcfs vs lpm",
     "context": "long context: ms/token vs length to 8k, mixed batch, chat growth; paged vs HF DynamicCache",
+    "decode": "decode step time at batch 1/8/32/64 per attention backend vs HF generate",
+    "perplexity": "perplexity through the paged path (chunked prefill) vs HF on Wikipedia text",
     "alloc": "block manager microbenchmark",
     "attention": "attention backend microbenchmark",
 }
