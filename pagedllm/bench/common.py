@@ -63,24 +63,40 @@ class PeakRSS:
 
 
 _LLMS: dict = {}
-REUSE_ENGINES = False  # the smoke tests turn this on: one engine per distinct config per process
+REUSE_ENGINES = False  # the smoke tests turn this on: engines are reused across benches in one process
+# scheduler-only settings that a reused engine can switch in place (EngineArgs name -> SchedulerConfig name)
+_SCHED_FIELDS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+                 "enable_chunked_prefill": "enable_chunked_prefill", "enable_prefix_caching": "enable_prefix_caching",
+                 "scheduling_policy": "policy", "batching": "batching"}
 
 
 def make_llm(dtype: str = "auto", seed: int = 0, **engine_args):
-    """A fresh ``LLM`` (or, with ``REUSE_ENGINES``, a cached one with the same settings: loading the
-    weights dominates the tiny --quick runs)."""
+    """A fresh ``LLM``; with ``REUSE_ENGINES`` (smoke tests: loading the weights dominates the tiny
+    --quick runs) an engine with the same non-scheduler settings is reused and its scheduler settings
+    are switched in place."""
+    from pagedllm import LLM
+
+    if not REUSE_ENGINES:
+        return LLM(dtype=dtype, seed=seed, **engine_args)
     import dataclasses
 
-    from pagedllm import LLM
     from pagedllm.engine.args import EngineArgs
 
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-    key = (dtype, seed, tuple(sorted((k, v) for k, v in engine_args.items() if defaults.get(k, object()) != v)))
-    if REUSE_ENGINES and key in _LLMS:
-        return _LLMS[key]
-    llm = LLM(dtype=dtype, seed=seed, **engine_args)
-    if REUSE_ENGINES:
-        _LLMS[key] = llm
+    fixed = tuple(sorted((k, v) for k, v in engine_args.items() if k not in _SCHED_FIELDS and defaults.get(k) != v))
+    key = (dtype, seed, fixed)
+    llm = _LLMS.get(key)
+    if llm is None:
+        llm = _LLMS[key] = LLM(dtype=dtype, seed=seed, **engine_args)
+        return llm
+    eng = llm.engine
+    assert not eng.has_unfinished()
+    for name, sched_name in _SCHED_FIELDS.items():
+        v = engine_args.get(name, defaults[name])
+        setattr(eng.args, name, v)
+        setattr(eng.scheduler.config, sched_name, v)
+        if name == "enable_prefix_caching":
+            eng.kv.enable_prefix_caching = v
     return llm
 
 
