@@ -216,32 +216,68 @@ class Scheduler:
             return best
         return self.waiting.popleft()
 
+    def _first_block_key(self, req: Request) -> tuple | None:
+        """Identity of the prompt's first full block (with the tenant salt), if it has one."""
+        bs = self.kv.block_size
+        ids = req.prompt_token_ids
+        return (req.cache_salt, tuple(ids[:bs])) if len(ids) > bs else None
+
+    def _in_flight_prefixes(self) -> set[tuple]:
+        """First blocks that running requests are computing right now (not yet in the prefix cache)."""
+        keys = set()
+        for r in self.running:
+            key = self._first_block_key(r)
+            if key is not None and r.seqs[0].num_computed < self.kv.block_size:
+                keys.add(key)
+        return keys
+
     def _admit(self, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> None:
+        """Admit waiting requests; one whose prompt starts like a prompt being prefilled right now waits a
+        step or two so it reads those blocks from the prefix cache instead of computing them again."""
         if self.config.batching == "static" and self.running:
             return
-        while self.waiting and budget[0] > 0:
-            req = self.waiting[0]
-            live = sum(1 for s in req.seqs if not s.finished)
-            if self.num_running_seqs() + live > self.config.max_num_seqs:
-                return
-            req = self._next_waiting()
-            before, cached, hit = len(out.chunks), req.metrics.num_cached_tokens, out.num_prefix_hit_tokens
-            if not self._schedule_seqs(req, budget, out, scheduled, partial_ok=True, prefix_first=True) or (
-                len(out.chunks) == before
-            ):
-                # no blocks (or no budget) for it now: release what it got and keep it first in line
-                for c in out.chunks[before:]:
-                    budget[0] += c.num_tokens
-                    scheduled.discard(c.seq.seq_id)
-                out.chunks = out.chunks[:before]
-                for s in req.seqs:
-                    if self.kv.has_seq(s.seq_id):
-                        self.kv.free(s.seq_id)
-                    s.num_computed = 0
-                    s.num_hashed = 0
-                req.metrics.num_cached_tokens, out.num_prefix_hit_tokens = cached, hit
-                self.waiting.appendleft(req)
-                return
+        dedupe = self.config.enable_prefix_caching and self.config.batching == "continuous"
+        in_flight = self._in_flight_prefixes() if dedupe else set()
+        deferred: list[Request] = []
+        try:
+            while self.waiting and budget[0] > 0:
+                req = self.waiting[0]
+                live = sum(1 for s in req.seqs if not s.finished)
+                if self.num_running_seqs() + live > self.config.max_num_seqs:
+                    return
+                req = self._next_waiting()
+                key = self._first_block_key(req) if dedupe and req.seqs[0].num_computed == 0 else None
+                if key is not None and key in in_flight and self.kv.match_prefix(
+                        req.seqs[0].token_ids, req.cache_salt, record=False).num_tokens == 0:
+                    deferred.append(req)
+                    continue
+                if not self._try_admit(req, budget, out, scheduled):
+                    self.waiting.appendleft(req)
+                    return
+                if key is not None and req.metrics.num_cached_tokens == 0:
+                    in_flight.add(key)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _try_admit(self, req: Request, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> bool:
+        """Schedule ``req``'s first chunk; on failure undo everything it got this step."""
+        before, cached, hit = len(out.chunks), req.metrics.num_cached_tokens, out.num_prefix_hit_tokens
+        if self._schedule_seqs(req, budget, out, scheduled, partial_ok=True, prefix_first=True) and (
+            len(out.chunks) > before
+        ):
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
             self.running.append(req)
+            return True
+        # no blocks (or no budget) for it now: release what it got
+        for c in out.chunks[before:]:
+            budget[0] += c.num_tokens
+            scheduled.discard(c.seq.seq_id)
+        out.chunks = out.chunks[:before]
+        for s in req.seqs:
+            if self.kv.has_seq(s.seq_id):
+                self.kv.free(s.seq_id)
+            s.num_computed = 0
+            s.num_hashed = 0
+        req.metrics.num_cached_tokens, out.num_prefix_hit_tokens = cached, hit
+        return False
