@@ -28,8 +28,12 @@ def _available() -> tuple[str, ...]:
 
 
 BACKENDS = _available()
-# what the engine should use on CPU when nothing is named (see docs in pagedllm/bench/attention.py)
-DEFAULT_CPU_BACKEND = "cpu" if "cpu" in BACKENDS else "reference"
+
+
+def default_backend() -> str:
+    """The fastest backend this machine runs (measured: pagedllm/bench/attention.py): triton on CUDA,
+    else the C++ paged kernel, else compiled flex."""
+    return next(b for b in ("triton", "cpu", "flex", "reference") if b in BACKENDS)
 
 
 def get_backend(name: str, **kwargs) -> AttentionBackend:
@@ -60,5 +64,5 @@ __all__ = [
     "write_kv",
     "BACKENDS",
     "ALL_BACKENDS",
-    "DEFAULT_CPU_BACKEND",
+    "default_backend",
 ]

@@ -76,8 +76,7 @@ def run(args) -> Report:
     dt = resolve_dtype(args.dtype)
     ckpt = load_checkpoint(None)
     cfg = ckpt.config
-    model = LlamaForCausalLM(cfg, dtype=dt)
-    model.load_hf_state_dict(ckpt.state_dict)
+    model = LlamaForCausalLM.from_checkpoint(ckpt, dt)
     per_seq = -(-(context + steps + 2) // 16)
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, per_seq * max(sizes), 16, dtype=dt)
     result: dict = {"batch_sizes": sizes, "context": context, "steps": steps, "dtype": str(dt), "ms": {}}

@@ -73,7 +73,7 @@ def compare(model_path: str | None, tokens: int, window: int, chunk: int, dtype:
     """Perplexity of the paged path and of HF transformers on the same weights and text."""
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.attention import BACKENDS, get_backend
+    from pagedllm.attention import default_backend, get_backend
     from pagedllm.engine.args import resolve_dtype
     from pagedllm.kv import KVCache
     from pagedllm.models.llama import LlamaForCausalLM
@@ -82,10 +82,9 @@ def compare(model_path: str | None, tokens: int, window: int, chunk: int, dtype:
     ckpt = load_checkpoint(model_path)
     dt = resolve_dtype(dtype)
     cfg = ckpt.config
-    model = LlamaForCausalLM(cfg, dtype=dt)
-    model.load_hf_state_dict(ckpt.state_dict)
+    model = LlamaForCausalLM.from_checkpoint(ckpt, dt)
     if backend_name == "auto":
-        backend_name = next(b for b in ("cpu", "flex", "reference") if b in BACKENDS)
+        backend_name = default_backend()
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-window // 16), 16, dtype=dt)
     ids = wiki_token_ids(ckpt.tokenizer, tokens)
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.attention import BACKENDS, get_backend
+from pagedllm.attention import default_backend, get_backend
 from pagedllm.engine.args import EngineArgs, resolve_dtype
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
@@ -53,8 +53,7 @@ class LLMEngine:
         dtype = resolve_dtype(args.dtype)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype)
         cfg = ckpt.config
-        model = LlamaForCausalLM(cfg, dtype=dtype)
-        model.load_hf_state_dict(ckpt.state_dict)
+        model = LlamaForCausalLM.from_checkpoint(ckpt, dtype)
         del ckpt
         dims = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
         if args.num_blocks is not None:
@@ -73,8 +72,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_host_blocks)
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         backend_name = args.attention_backend
-        if backend_name == "auto":  # the fastest backend this machine can run
-            backend_name = next(b for b in ("triton", "cpu", "flex", "reference") if b in BACKENDS)
+        if backend_name == "auto":
+            backend_name = default_backend()
         self.runner = ModelRunner(model, self.kv_cache, get_backend(backend_name))
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -96,6 +96,13 @@ class LlamaForCausalLM(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     # ------------------------------------------------------------------ weights
+    @classmethod
+    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32) -> "LlamaForCausalLM":
+        """Our model with a loaded ``pagedllm.models.loader.Checkpoint``'s weights."""
+        model = cls(ckpt.config, dtype=dtype)
+        model.load_hf_state_dict(ckpt.state_dict)
+        return model
+
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight`` ...),
         fusing q/k/v and gate/up; casts to the model dtype. KeyError names what is missing."""
