@@ -13,52 +13,24 @@ long enough that torch's CPU flash SDPA over a gathered context is faster
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm import native
 from pagedllm.attention.metadata import AttentionMetadata, write_kv
 
 _SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_ext = None
-_ext_error: Exception | None = None
-_lock = threading.Lock()
 
 
 def load_extension():
     """Build (first time, ~1 min) or load the cached C++ kernel; RuntimeError if it cannot be built."""
-    global _ext, _ext_error
-    if _ext is not None:
-        return _ext
-    with _lock:
-        if _ext is not None:
-            return _ext
-        if _ext_error is not None:
-            raise RuntimeError(f"the 'cpu' attention backend is unavailable: {_ext_error}") from _ext_error
-        try:
-            from torch.utils.cpp_extension import load
-
-            flags = ["-O3", "-fopenmp"]
-            if os.environ.get("PAGEDLLM_NO_MARCH_NATIVE") != "1":
-                flags.append("-march=native")
-            _ext = load(
-                name="pagedllm_paged_attention",
-                sources=[str(_SRC)],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as e:  # compiler missing, headers missing, build error
-            _ext_error = e
-            raise RuntimeError(
-                "the 'cpu' attention backend needs to compile a C++ extension (g++ with OpenMP and the "
-                f"Python headers) and that failed: {e}. Install a C++ compiler or choose the "
-                "'reference' or 'flex' backend."
-            ) from e
-    return _ext
+    try:
+        return native.load_extension("pagedllm_paged_attention", _SRC)
+    except RuntimeError as e:
+        raise RuntimeError(f"the 'cpu' attention backend is unavailable: {e}. Install a C++ compiler or choose "
+                           "the 'reference' or 'flex' backend.") from e
 
 
 def _gather_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:

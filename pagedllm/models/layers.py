@@ -5,11 +5,15 @@ Every op works on a flat batch of tokens ``[T, ...]`` from many sequences at onc
 
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm import native
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -25,13 +29,32 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upcast: bool = False) -> torch.Tensor:
-    """``F.linear``; with ``upcast`` the low-precision weight (and bias) are upcast and the GEMM
-    runs in fp32 (the model keeps its activations in fp32 in that mode).
+# Largest row count sent to the streaming kernel; above it MKL's blocked sgemm wins
+# (measured with `pagedllm bench decode`, which covers batch 1..64).
+SKINNY_MAX_ROWS = 32
+_SKINNY_SRC = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 
-    On CPUs without native bf16 this is ~4x faster than a bf16 GEMM for batches and no slower
-    for one token, and more accurate (activations are not rounded to bf16).
+
+@functools.cache
+def _skinny_kernel():
+    """The AVX2 streaming GEMM (None where it can't be built, e.g. without AVX2: ATen is used then)."""
+    return native.try_load_extension("pagedllm_skinny_linear", _SKINNY_SRC)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upcast: bool = False) -> torch.Tensor:
+    """``F.linear`` over a flat batch ``x [T, K]``.
+
+    With ``upcast`` the weight is low precision and the math runs in fp32 on fp32 activations: on
+    CPUs without native bf16 that is ~4x faster than a bf16 GEMM and more accurate. Few-row batches
+    (decode steps) of fp32 activations go to a C++ kernel that streams the fp32 or bf16 weight once
+    at close to memory bandwidth; ATen's GEMM reaches under half of it there.
     """
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.shape[0] <= SKINNY_MAX_ROWS
+            and w.dtype in (torch.float32, torch.bfloat16) and x.shape[1] % 8 == 0 and x.is_contiguous()
+            and w.is_contiguous()):
+        kernel = _skinny_kernel()
+        if kernel is not None:
+            return kernel.skinny_linear(x, w, b)
     if not upcast:
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)

@@ -175,6 +175,5 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` of (final-normed) hidden states ``[N, E]``."""
-        if self.upcast_matmuls:
-            return F.linear(hidden.float(), self.lm_head.float())
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden.float() if self.upcast_matmuls else hidden, self.lm_head, None,
+                      self.upcast_matmuls).float()
