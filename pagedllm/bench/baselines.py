@@ -87,14 +87,18 @@ def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, cache
 
 
 def hf_padded(reqs: list[BenchRequest], dtype: torch.dtype, batch_size: int = 16, cache: str = "dynamic",
-              progress: bool = True, measure_memory: bool = False) -> RunResult:
-    """Arrival-order batches of ``batch_size``; a batch starts when the previous one is done."""
+              progress: bool = True, measure_memory: bool = False, budget_s: float | None = None) -> RunResult:
+    """Arrival-order batches of ``batch_size``; a batch starts when the previous one is done.
+
+    With ``budget_s`` it stops after the batch that passes that many seconds and reports the batches
+    it completed (their requests and tokens over their time), so slow baselines fit a time limit.
+    """
     model, tok = hf_model(dtype)
     hf_generate(model, tok, [reqs[0].prompt_ids[:8]], 2, cache=cache)  # warm-up
     name = f"HF generate, {'StaticCache' if cache == 'static' else 'DynamicCache'}, padded batches of {batch_size}"
     res = RunResult(name, 0.0, len(reqs), sum(r.prompt_len for r in reqs), 0)
     batches = [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
-    computed = 0
+    computed = completed = 0
     mem = PeakRSS() if measure_memory else None
     if mem:
         mem.__enter__()
@@ -104,15 +108,21 @@ def hf_padded(reqs: list[BenchRequest], dtype: torch.dtype, batch_size: int = 16
         gen = hf_generate(model, tok, [r.prompt_ids for r in b], new, cache=cache)
         done = time.monotonic() - t0
         computed += gen.numel()
+        completed += 1
         for r in b:
             res.output_tokens += r.max_tokens  # only what the request asked for is useful output
             res.output_lens.append(r.max_tokens)
             res.latency_s.append(done)
+        if budget_s is not None and done > budget_s:
+            break
     res.elapsed_s = time.monotonic() - t0
     if mem:
         mem.__exit__(None, None, None)
         res.peak_mb = mem.peak_mb
-    res.extra = {"generated_incl_padding": computed, "batch_size": batch_size, "cache": cache}
+    res.num_requests = len(res.output_lens)
+    res.prompt_tokens = sum(r.prompt_len for r in reqs[:res.num_requests])
+    res.extra = {"generated_incl_padding": computed, "batch_size": batch_size, "cache": cache,
+                 "completed_batches": completed, "num_batches": len(batches)}
     return res
 
 
@@ -189,9 +199,10 @@ def hf_continuous(reqs: list[BenchRequest], dtype: torch.dtype, page_size: int =
 
 
 # ----------------------------------------------------------------------------- llama.cpp
-def llama_cpp(reqs: list[BenchRequest], progress: bool = True) -> RunResult | Skipped:
+def llama_cpp(reqs: list[BenchRequest], progress: bool = True, budget_s: float | None = None) -> RunResult | Skipped:
     """llama-cpp-python, one request at a time (its high-level API has no batching) on the GGUF file, with as
-    many threads as our engine, after a 2-token warm-up.
+    many threads as our engine, after a 2-token warm-up. With ``budget_s`` it stops after the request that
+    passes that many seconds and reports the requests it completed.
 
     Note: it runs the Q4_1 GGUF weights with its own kernels, not our fp32/bf16 copy of them.
     """
@@ -234,7 +245,11 @@ def llama_cpp(reqs: list[BenchRequest], progress: bool = True) -> RunResult | Sk
             res.output_lens.append(n)
             res.ttft_s.append(t_first)
             res.latency_s.append(time.monotonic() - t0)
+            if budget_s is not None and res.latency_s[-1] > budget_s:
+                break
         res.elapsed_s = time.monotonic() - t0
+        res.num_requests = len(res.output_lens)
+        res.prompt_tokens = sum(r.prompt_len for r in reqs[:res.num_requests])
         res.extra = {"weights": f"{os.path.basename(path)} (llama.cpp kernels)", "threads": threads}
         return res
     except Exception as e:  # noqa: BLE001

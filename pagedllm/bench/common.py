@@ -168,7 +168,7 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
 
     eng = llm.engine
     stats0 = (eng.stats.prompt_tokens_computed, eng.stats.prompt_tokens_cached, eng.stats.num_steps,
-              eng.stats.num_preemptions)
+              eng.stats.num_preemptions, eng.stats.generation_tokens)
     mem = PeakRSS() if measure_memory else None
     if mem:
         mem.__enter__()
@@ -183,7 +183,9 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
             eng.step()
             peak_used = max(peak_used, eng.kv.stats()["used"])
             n = sum(1 for h in handles if h.finished)
-            if n > done:
+            if n > done or eng.stats.num_steps % 16 == 0:
+                bar.set_postfix_str(f"{(eng.stats.generation_tokens - stats0[4]) / (time.monotonic() - t0):.1f} "
+                                    "out tok/s")
                 bar.update(n - done)
                 done = n
     finally:

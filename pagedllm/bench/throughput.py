@@ -15,8 +15,9 @@ from pagedllm.bench.common import (
     run_engine,
     strip_outputs,
 )
-from pagedllm.bench.report import Report, Table
+from pagedllm.bench.report import Report, Table, emit
 from pagedllm.bench.workloads import W1, W1_QUICK, BenchRequest, corpus, random_requests
+from pagedllm.engine.args import resolve_dtype
 
 ALL_BASELINES = ("hf-dynamic", "hf-static", "hf-cb", "llama-cpp", "vllm")
 
@@ -31,6 +32,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default=",".join(ALL_BASELINES),
                    help=f"comma list of {', '.join(ALL_BASELINES)} (or 'none')")
     p.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (default 128)")
+    p.add_argument("--budget", type=float, default=90.0,
+                   help="seconds per slow baseline (HF padded batches, sequential llama.cpp): it stops after the "
+                        "batch/request that passes it and is measured on those it completed (0: no limit; default 90)")
 
 
 def workload(args) -> tuple[dict, bool]:
@@ -69,72 +73,89 @@ def decode_b1(llm, dtype: torch.dtype, tokens: int, hf: bool, seed: int) -> dict
     return out
 
 
-def run(args) -> Report:
-    dtype_name = args.dtype
-    from pagedllm.engine.args import resolve_dtype
+def _run_baseline(name: str, reqs: list[BenchRequest], dtype: torch.dtype, bs: int, llm, budget: float | None):
+    if name in ("hf-dynamic", "hf-static"):
+        return bl.hf_padded(reqs, dtype, bs, name.removeprefix("hf-"), budget_s=budget)
+    if name == "hf-cb":
+        return bl.hf_continuous(reqs, dtype, max_batch_tokens=llm.engine.args.max_num_batched_tokens,
+                                max_requests=llm.engine.args.max_num_seqs)
+    if name == "llama-cpp":
+        return bl.llama_cpp(reqs, budget_s=budget)
+    if name == "vllm":
+        return bl.vllm_cpu(reqs, dtype)
+    raise SystemExit(f"unknown baseline {name!r}; choose from {', '.join(ALL_BASELINES)}")
 
-    dtype = resolve_dtype(dtype_name)
+
+def run(args) -> Report:
+    dtype = resolve_dtype(args.dtype)
     w, is_w1 = workload(args)
     bs = args.batch_size or (4 if args.quick else 16)
+    budget = None if args.quick or not args.budget else args.budget
     chosen = [] if args.baselines == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
-    llm = make_llm(dtype_name, seed=args.seed, **args.engine_args)
-    tok = llm.engine.tokenizer
-    reqs = random_requests(tok, w["num"], w["prompt_range"], w["output_range"], seed=args.seed)
+    unknown = set(chosen) - set(ALL_BASELINES)
+    if unknown:
+        raise SystemExit(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_BASELINES)}")
+    llm = make_llm(args.dtype, seed=args.seed, **args.engine_args)
+    reqs = random_requests(llm.engine.tokenizer, w["num"], w["prompt_range"], w["output_range"], seed=args.seed)
     engine_warmup(llm)
 
-    results, skipped = [], []
-    ours = run_engine(llm, reqs, desc="pagedllm")
-    results.append(ours)
-    for b in chosen:
-        if b == "hf-dynamic":
-            results.append(bl.hf_padded(reqs, dtype, bs, "dynamic"))
-        elif b == "hf-static":
-            results.append(bl.hf_padded(reqs, dtype, bs, "static"))
-        elif b == "hf-cb":
-            results.append(bl.hf_continuous(reqs, dtype, max_batch_tokens=llm.engine.args.max_num_batched_tokens,
-                                            max_requests=llm.engine.args.max_num_seqs))
-        elif b == "llama-cpp":
-            results.append(bl.llama_cpp(reqs))
-        elif b == "vllm":
-            results.append(bl.vllm_cpu(reqs, dtype))
-        else:
-            raise SystemExit(f"unknown baseline {b!r}; choose from {', '.join(ALL_BASELINES)}")
-    ran = [r for r in results if not isinstance(r, bl.Skipped)]
-    skipped = [r for r in results if isinstance(r, bl.Skipped)]
-
+    results = [run_engine(llm, reqs, desc="pagedllm")]
+    for i, b in enumerate(chosen):
+        # a bench cut short (time limit, Ctrl-C, a crashing baseline) leaves what it measured on disk
+        emit(_report(args, w, is_w1, bs, budget, llm, reqs, results, None, chosen[i:]), args.out, plot,
+             str(dtype), quiet=True)
+        results.append(_run_baseline(b, reqs, dtype, bs, llm, budget))
     dec_tokens = args.decode_tokens or (16 if args.quick else 128)
     b1 = decode_b1(llm, dtype, dec_tokens, hf="hf-dynamic" in chosen, seed=args.seed)
+    return _report(args, w, is_w1, bs, budget, llm, reqs, results, b1, [])
 
+
+def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs: list[BenchRequest],
+            results: list, b1: dict | None, pending: list[str]) -> Report:
+    """The report over the systems run so far (``pending``: baselines not run yet, for a partial write)."""
+    ours = results[0]
+    ran = [r for r in results if not isinstance(r, bl.Skipped)]
+    skipped = [r for r in results if isinstance(r, bl.Skipped)]
     rows = []
     for r in ran:
+        note = ""
+        if r.num_requests < len(reqs):
+            note = f"time budget {budget:.0f} s: measured on the first {r.num_requests} of {len(reqs)} requests"
         rows.append([r.system, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.elapsed_s,
-                     ratio(ours.output_tok_s, r.output_tok_s), ""])
+                     ratio(ours.output_tok_s, r.output_tok_s), note])
     for s in skipped:
         rows.append([s.system, None, None, None, None, None, s.note])
+    rows += [[p, None, None, None, None, None, "not run yet (partial results)"] for p in pending]
     cols = ["system", "req/s", "output tok/s", "total tok/s", "time (s)", "pagedllm speedup", "note"]
-    b1_rows = [["pagedllm", b1["pagedllm"]]] + ([["HF generate (DynamicCache)", b1["hf_dynamic"]]]
-                                                if "hf_dynamic" in b1 else [])
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
     mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
+    eng = llm.engine.args
     notes = [
         f"Workload {'W1' if is_w1 else 'W1 scaled down'}: {w['num']} requests, prompt {w['prompt_range'][0]}-"
         f"{w['prompt_range'][1]} tokens (mean {mean_p:.0f}), output {w['output_range'][0]}-{w['output_range'][1]} "
         f"(mean {mean_o:.0f}), ignore_eos, greedy; prompts = windows of Wikipedia summaries; seed {args.seed}.",
-        f"dtype {dtype} for every system (same weights: the embedded SmolLM2-135M-Instruct); HF padded batches of "
-        f"{bs} in arrival order (output tok/s counts only the tokens each request asked for).",
-        f"engine: max_num_seqs {llm.engine.args.max_num_seqs}, max_num_batched_tokens "
-        f"{llm.engine.args.max_num_batched_tokens}, block_size {llm.engine.args.block_size}, "
-        f"{ours.extra['num_steps']} steps, {ours.extra['num_preemptions']} preemptions, peak KV "
+        f"dtype {resolve_dtype(args.dtype)} for every system (same weights: the embedded SmolLM2-135M-Instruct); "
+        f"HF padded batches of {bs} in arrival order (output tok/s counts only the tokens each request asked for)"
+        + (f"; HF padded and llama.cpp stop after the batch/request that passes {budget:.0f} s" if budget else "")
+        + ".",
+        f"engine: max_num_seqs {eng.max_num_seqs}, max_num_batched_tokens {eng.max_num_batched_tokens}, block_size "
+        f"{eng.block_size}, {ours.extra['num_steps']} steps, {ours.extra['num_preemptions']} preemptions, peak KV "
         f"{ours.extra['peak_kv_mb']:.0f} MB.",
     ]
-    rep = Report("throughput", "Offline throughput (W1)", notes,
-                 [Table(cols, rows, "Throughput", 2), Table(["system", "decode tok/s"], b1_rows,
-                                                              f"Batch-1 decode ({dec_tokens} tokens after a 32-token prompt)", 1)])
+    if pending:
+        notes.insert(0, f"PARTIAL: still to run: {', '.join(pending)}")
+    tables = [Table(cols, rows, "Throughput", 2)]
+    if b1:
+        b1_rows = [["pagedllm", b1["pagedllm"]]] + ([["HF generate (DynamicCache)", b1["hf_dynamic"]]]
+                                                    if "hf_dynamic" in b1 else [])
+        tables.append(Table(["system", "decode tok/s"], b1_rows,
+                            f"Batch-1 decode ({b1['tokens']} tokens after a 32-token prompt)", 1))
+    rep = Report("throughput", "Offline throughput (W1)", notes, tables)
     rep.result = {"workload": {**w, "mean_prompt": mean_p, "mean_output": mean_o, "seed": args.seed, "is_w1": is_w1},
                   "runs": [strip_outputs(r.summary()) for r in ran],
                   "skipped": [{"system": s.system, "note": s.note} for s in skipped],
                   "speedup": {r.system: ratio(ours.output_tok_s, r.output_tok_s) for r in ran if r is not ours},
-                  "decode_b1_tok_s": b1, "hf_batch_size": bs}
+                  "decode_b1_tok_s": b1 or {}, "hf_batch_size": bs, "pending": pending, "budget_s": budget}
     return rep
 
 

@@ -80,6 +80,34 @@ def test_throughput(outdir, capsys):
     assert len(rows) == len(r["runs"]) + len(r["skipped"])
 
 
+def test_throughput_leaves_partial_results_when_cut_short(tmp_path, capsys, monkeypatch):
+    from pagedllm.bench import baselines
+    from pagedllm.bench.cli import main
+
+    def crash(*a, **k):
+        raise RuntimeError("baseline crashed")
+
+    monkeypatch.setattr(baselines, "hf_padded", crash)
+    with pytest.raises(RuntimeError, match="baseline crashed"):
+        main(["throughput", "--quick", "--out", str(tmp_path), *TINY["throughput"], "--baselines", "hf-dynamic,hf-cb"])
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert [r["system"] for r in data["result"]["runs"]] == ["pagedllm"]
+    assert data["result"]["pending"] == ["hf-dynamic", "hf-cb"]
+    assert "PARTIAL" in (tmp_path / "throughput.md").read_text()
+
+
+def test_padded_baseline_time_budget_stops_after_a_batch():
+    import torch
+
+    from pagedllm.bench.baselines import hf_padded
+    from pagedllm.bench.workloads import BenchRequest
+
+    reqs = [BenchRequest([100 + i, 200, 300 + i], 2) for i in range(6)]
+    res = hf_padded(reqs, torch.float32, batch_size=2, progress=False, budget_s=0.0)
+    assert (res.num_requests, res.output_tokens, res.prompt_tokens) == (2, 4, 6)
+    assert res.extra["completed_batches"] == 1 and res.extra["num_batches"] == 3
+
+
 def test_sweep(outdir, capsys):
     r = run_bench("sweep", outdir, capsys)["result"]
     assert set(map(str, r["pagedllm"])) == {"1", "2"} and set(map(str, r["hf_dynamic"])) == {"1", "2"}
