@@ -109,8 +109,18 @@ def environment(dtype: str | None = None) -> dict:
         "dtype": dtype,
         "loadavg_1m": load,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": "pagedllm bench " + " ".join(sys.argv[1:]) if sys.argv and "pytest" not in sys.argv[0] else None,
+        "command": _command(),
     }
+
+
+def _command() -> str | None:
+    """The bench command line as typed (``pagedllm bench ...`` or ``python -m pagedllm.bench.cli ...``)."""
+    if not sys.argv or "pytest" in sys.argv[0]:
+        return None
+    args = sys.argv[1:]
+    if args[:1] == ["bench"]:
+        args = args[1:]
+    return "pagedllm bench " + " ".join(args)
 
 
 def _json_default(o: Any) -> Any:
