@@ -119,8 +119,7 @@ def hf_padded(reqs: list[BenchRequest], dtype: torch.dtype, batch_size: int = 16
     if mem:
         mem.__exit__(None, None, None)
         res.peak_mb = mem.peak_mb
-    res.num_requests = len(res.output_lens)
-    res.prompt_tokens = sum(r.prompt_len for r in reqs[:res.num_requests])
+    res.keep_completed(reqs)
     res.extra = {"generated_incl_padding": computed, "batch_size": batch_size, "cache": cache,
                  "completed_batches": completed, "num_batches": len(batches)}
     return res
@@ -248,8 +247,7 @@ def llama_cpp(reqs: list[BenchRequest], progress: bool = True, budget_s: float |
             if budget_s is not None and res.latency_s[-1] > budget_s:
                 break
         res.elapsed_s = time.monotonic() - t0
-        res.num_requests = len(res.output_lens)
-        res.prompt_tokens = sum(r.prompt_len for r in reqs[:res.num_requests])
+        res.keep_completed(reqs)
         res.extra = {"weights": f"{os.path.basename(path)} (llama.cpp kernels)", "threads": threads}
         return res
     except Exception as e:  # noqa: BLE001

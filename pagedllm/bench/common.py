@@ -137,6 +137,11 @@ class RunResult:
     def total_tok_s(self) -> float:
         return (self.prompt_tokens + self.output_tokens) / self.elapsed_s if self.elapsed_s > 0 else float("nan")
 
+    def keep_completed(self, reqs: list[BenchRequest]) -> None:
+        """A run cut short by a time budget: count only the first requests it finished (arrival order)."""
+        self.num_requests = len(self.output_lens)
+        self.prompt_tokens = sum(r.prompt_len for r in reqs[:self.num_requests])
+
     def summary(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("ttft_s", "latency_s", "tpot_s", "output_lens")}
         d.update(requests_per_s=self.requests_per_s, output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s,

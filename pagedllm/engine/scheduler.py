@@ -224,12 +224,9 @@ class Scheduler:
 
     def _in_flight_prefixes(self) -> set[tuple]:
         """First blocks that running requests are computing right now (not yet in the prefix cache)."""
-        keys = set()
-        for r in self.running:
-            key = self._first_block_key(r)
-            if key is not None and r.seqs[0].num_computed < self.kv.block_size:
-                keys.add(key)
-        return keys
+        bs = self.kv.block_size
+        keys = (self._first_block_key(r) for r in self.running if r.seqs[0].num_computed < bs)
+        return {k for k in keys if k is not None}
 
     def _admit(self, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> None:
         """Admit waiting requests; one whose prompt starts like a prompt being prefilled right now waits a
