@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.layers import apply_rope, cpu_has_native_bf16, linear, rms_norm, rope_cos_sin
+from pagedllm.models.layers import (LOGITS_SKINNY_MAX_ROWS, apply_rope, cpu_has_native_bf16, linear, rms_norm,
+                                    rope_cos_sin)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -176,4 +177,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` of (final-normed) hidden states ``[N, E]``."""
         return linear(hidden.float() if self.upcast_matmuls else hidden, self.lm_head, None,
-                      self.upcast_matmuls).float()
+                      self.upcast_matmuls, skinny_max_rows=LOGITS_SKINNY_MAX_ROWS).float()

@@ -64,7 +64,7 @@ def cpu_backend():
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group", [1, 3, 7])  # 7: the kernel's 3-row blocks plus a leftover row (Qwen2.5-0.5B)
 def test_cpu_fp32(cpu_backend, case, block_size, group):
     ql, sl = CASES[case]
     _check(cpu_backend, ql, sl, atol=1e-5, block_size=block_size, group=group, num_kv_heads=2)
@@ -78,6 +78,12 @@ def test_cpu_bf16_cache(cpu_backend, q_dtype):
 
 def test_cpu_head_dim_not_multiple_of_8_and_unshuffled(cpu_backend):
     _check(cpu_backend, [1, 9], [30, 9], atol=1e-5, head_dim=20, shuffle=False, block_size=4)
+
+
+@pytest.mark.parametrize("head_dim", [80, 128])  # 80: vector scores, scalar P@V tail; 128: two 32-column strips
+def test_cpu_other_head_dims(cpu_backend, head_dim):
+    ql, sl = CASES["mixed"]
+    _check(cpu_backend, ql, sl, atol=1e-5, head_dim=head_dim, group=3)
 
 
 def test_cpu_q_tiles(cpu_backend):

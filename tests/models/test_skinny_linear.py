@@ -25,8 +25,8 @@ def test_kernel_matches_f_linear(wdtype, m, n, k):
 
 
 @needs_kernel
-def test_linear_routes_small_batches_to_kernel_and_large_to_aten(monkeypatch):
-    calls = []
+def test_linear_routes_small_batches_to_kernel_and_large_to_onednn(monkeypatch):
+    calls, big = [], []
     real = kernel.skinny_linear
 
     class Spy:
@@ -34,12 +34,23 @@ def test_linear_routes_small_batches_to_kernel_and_large_to_aten(monkeypatch):
             calls.append(a[0].shape[0])
             return real(*a)
 
+    onednn = layers._onednn_linear()
+
+    def onednn_spy(*a):
+        big.append(a[0].shape[0])
+        return onednn(*a)
+
     monkeypatch.setattr(layers, "_skinny_kernel", lambda: Spy())
-    w = torch.randn(64, 32)
+    monkeypatch.setattr(layers, "_onednn_linear", lambda: onednn_spy if onednn is not None else None)
+    w, b = torch.randn(64, 32), torch.randn(64)
     for rows in (1, layers.SKINNY_MAX_ROWS, layers.SKINNY_MAX_ROWS + 1):
         x = torch.randn(rows, 32)
-        torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert calls == [1, layers.SKINNY_MAX_ROWS]  # the larger batch went to ATen
+        torch.testing.assert_close(layers.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert calls == [1, layers.SKINNY_MAX_ROWS]  # the larger batch went to oneDNN (or ATen without it)
+    assert big == ([layers.SKINNY_MAX_ROWS + 1] if onednn is not None else [])
+    x = torch.randn(layers.LOGITS_SKINNY_MAX_ROWS + 1, 32)
+    layers.linear(x, w, skinny_max_rows=layers.LOGITS_SKINNY_MAX_ROWS)  # the LM head's cut-off
+    assert calls == [1, layers.SKINNY_MAX_ROWS]
     x, wb = torch.randn(2, 32), w.bfloat16()
     torch.testing.assert_close(layers.linear(x, wb, upcast=True), F.linear(x, wb.float()), rtol=1e-5, atol=1e-5)
     assert calls[-1] == 2  # bf16 weights stream through the kernel without an fp32 copy

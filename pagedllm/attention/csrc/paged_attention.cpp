@@ -2,8 +2,9 @@
 //
 // One work item = (sequence, query tile, kv head).  All `group` query heads that share the kv
 // head are computed together, so every K/V row is read once per tile.  Keys are visited in
-// chunks of up to CHUNK logical positions through the block table; softmax is online
-// (flash-decoding style) with fp32 accumulation.  Works for decodes (tile = the single query)
+// chunks of up to CHUNK logical positions through the block table (the next chunk is prefetched:
+// scattered blocks defeat the hardware prefetcher); scores and P@V run as 3-row register blocks
+// and softmax is online (flash-decoding style) with a vectorised exp and fp32 accumulation.  Works for decodes (tile = the single query)
 // and prefill chunks (tile = up to q_tile queries, causal: query at position p sees keys 0..p).
 // Caches may be fp32 or bf16; q/out may be fp32 or bf16.
 #include <torch/extension.h>
@@ -46,62 +47,177 @@ inline void float_to_row(const float* src, at::BFloat16* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<at::BFloat16>(src[d]);
 }
 
-// s[o] = dot(q, k[o]) * scale for o < n
-inline void scores_row(const float* q, const float* const* k, int64_t n, int64_t D, float scale, float* s) {
+#ifdef __AVX2__
+// exp of 8 floats (Cephes' expf: range reduction to [-ln2/2, ln2/2], degree-5 polynomial, scale by 2^n);
+// within 2 ulp of std::exp on [-87, 88]; inputs below -88.37 (including -inf) give 0.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// the four horizontal sums of a0..a3, in order
+inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+
+inline float max_of(const float* s, int64_t n, float init) {
   int64_t o = 0;
+  float mx = init;
+#ifdef __AVX2__
+  if (n >= 8) {
+    __m256 m8 = _mm256_loadu_ps(s);
+    for (o = 8; o + 8 <= n; o += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + o));
+    mx = std::max(mx, hmax8(m8));
+  }
+#endif
+  for (; o < n; ++o) mx = std::max(mx, s[o]);
+  return mx;
+}
+
+// s[o] = exp(s[o] - mx) for o < n; returns their sum
+inline float exp_sub_sum(float* s, int64_t n, float mx) {
+  int64_t o = 0;
+  float sum = 0.f;
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps(), m8 = _mm256_set1_ps(mx);
+  for (; o + 8 <= n; o += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + o), m8));
+    _mm256_storeu_ps(s + o, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; o < n; ++o) {
+    s[o] = std::exp(s[o] - mx);
+    sum += s[o];
+  }
+  return sum;
+}
+
+// S[r * CHUNK + o] = scale * dot(Q[r], K[o]) for r < R, o < n (Q rows are D apart). Blocks of 3 rows x 4 keys
+// keep 12 accumulators in registers, so each loaded K vector feeds 3 FMAs and each Q vector 4.
+inline void scores_block(const float* Q, int64_t R, const float* const* K, int64_t n, int64_t D, float scale,
+                         float* S) {
+  int64_t r = 0;
 #ifdef __AVX2__
   if (D % 8 == 0) {
-    for (; o + 4 <= n; o += 4) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      const float *k0 = k[o], *k1 = k[o + 1], *k2 = k[o + 2], *k3 = k[o + 3];
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    const __m128 sc = _mm_set1_ps(scale);
+    for (; r + 3 <= R; r += 3) {
+      const float *q0 = Q + r * D, *q1 = q0 + D, *q2 = q1 + D;
+      float *s0 = S + r * CHUNK, *s1 = s0 + CHUNK, *s2 = s1 + CHUNK;
+      int64_t o = 0;
+      for (; o + 4 <= n; o += 4) {
+        const float *k0 = K[o], *k1 = K[o + 1], *k2 = K[o + 2], *k3 = K[o + 3];
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+               a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+          const __m256 x2 = _mm256_loadu_ps(k2 + d), x3 = _mm256_loadu_ps(k3 + d);
+          __m256 qv = _mm256_loadu_ps(q0 + d);
+          a00 = _mm256_fmadd_ps(qv, x0, a00); a01 = _mm256_fmadd_ps(qv, x1, a01);
+          a02 = _mm256_fmadd_ps(qv, x2, a02); a03 = _mm256_fmadd_ps(qv, x3, a03);
+          qv = _mm256_loadu_ps(q1 + d);
+          a10 = _mm256_fmadd_ps(qv, x0, a10); a11 = _mm256_fmadd_ps(qv, x1, a11);
+          a12 = _mm256_fmadd_ps(qv, x2, a12); a13 = _mm256_fmadd_ps(qv, x3, a13);
+          qv = _mm256_loadu_ps(q2 + d);
+          a20 = _mm256_fmadd_ps(qv, x0, a20); a21 = _mm256_fmadd_ps(qv, x1, a21);
+          a22 = _mm256_fmadd_ps(qv, x2, a22); a23 = _mm256_fmadd_ps(qv, x3, a23);
+        }
+        _mm_storeu_ps(s0 + o, _mm_mul_ps(hsum4x8(a00, a01, a02, a03), sc));
+        _mm_storeu_ps(s1 + o, _mm_mul_ps(hsum4x8(a10, a11, a12, a13), sc));
+        _mm_storeu_ps(s2 + o, _mm_mul_ps(hsum4x8(a20, a21, a22, a23), sc));
       }
-      __m256 ab = _mm256_hadd_ps(a0, a1), cd = _mm256_hadd_ps(a2, a3);
-      __m256 abcd = _mm256_hadd_ps(ab, cd);
-      __m128 r = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-      _mm_storeu_ps(s + o, _mm_mul_ps(r, _mm_set1_ps(scale)));
+      for (; o < n; ++o) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x = _mm256_loadu_ps(K[o] + d);
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), x, a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), x, a1);
+          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), x, a2);
+        }
+        s0[o] = hsum8(a0) * scale;
+        s1[o] = hsum8(a1) * scale;
+        s2[o] = hsum8(a2) * scale;
+      }
     }
   }
 #endif
-  for (; o < n; ++o) {
-    float acc = 0.f;
-    const float* kr = k[o];
-    for (int64_t d = 0; d < D; ++d) acc += q[d] * kr[d];
-    s[o] = acc * scale;
+  for (; r < R; ++r) {
+    const float* q = Q + r * D;
+    for (int64_t o = 0; o < n; ++o) {
+      float acc = 0.f;
+      const float* kr = K[o];
+      for (int64_t d = 0; d < D; ++d) acc += q[d] * kr[d];
+      S[r * CHUNK + o] = acc * scale;
+    }
   }
 }
 
-// acc[:] += sum_o p[o] * v[o][:]
-inline void pv_row(const float* p, const float* const* v, int64_t n, int64_t D, float* acc) {
-  int64_t d = 0;
+// A[r][:] += sum_o P[r * CHUNK + o] * V[o][:] for r < R (A rows are D apart). Blocks of 3 rows x 32 columns
+// keep 12 accumulators in registers, so each loaded V vector feeds 3 FMAs.
+inline void pv_block(const float* P, int64_t R, const float* const* V, int64_t n, int64_t D, float* A) {
+  int64_t r = 0;
 #ifdef __AVX2__
-  for (; d + 32 <= D; d += 32) {
-    __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_loadu_ps(acc + d + 8);
-    __m256 c2 = _mm256_loadu_ps(acc + d + 16), c3 = _mm256_loadu_ps(acc + d + 24);
-    for (int64_t o = 0; o < n; ++o) {
-      if (p[o] == 0.f) continue;
-      __m256 pv = _mm256_set1_ps(p[o]);
-      const float* vr = v[o] + d;
-      c0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr), c0);
-      c1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8), c1);
-      c2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 16), c2);
-      c3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 24), c3);
+  if (D % 32 == 0) {
+    for (; r + 3 <= R; r += 3) {
+      const float *p0 = P + r * CHUNK, *p1 = p0 + CHUNK, *p2 = p1 + CHUNK;
+      float* a = A + r * D;
+      for (int64_t d = 0; d < D; d += 32) {
+        __m256 c[3][4];
+        for (int i = 0; i < 3; ++i)
+          for (int j = 0; j < 4; ++j) c[i][j] = _mm256_loadu_ps(a + i * D + d + 8 * j);
+        for (int64_t o = 0; o < n; ++o) {
+          const float* vr = V[o] + d;
+          const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+          const __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+          const __m256 w[3] = {_mm256_set1_ps(p0[o]), _mm256_set1_ps(p1[o]), _mm256_set1_ps(p2[o])};
+          for (int i = 0; i < 3; ++i) {
+            c[i][0] = _mm256_fmadd_ps(w[i], v0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(w[i], v1, c[i][1]);
+            c[i][2] = _mm256_fmadd_ps(w[i], v2, c[i][2]);
+            c[i][3] = _mm256_fmadd_ps(w[i], v3, c[i][3]);
+          }
+        }
+        for (int i = 0; i < 3; ++i)
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(a + i * D + d + 8 * j, c[i][j]);
+      }
     }
-    _mm256_storeu_ps(acc + d, c0);
-    _mm256_storeu_ps(acc + d + 8, c1);
-    _mm256_storeu_ps(acc + d + 16, c2);
-    _mm256_storeu_ps(acc + d + 24, c3);
   }
 #endif
-  for (; d < D; ++d) {
-    float c = acc[d];
-    for (int64_t o = 0; o < n; ++o) c += p[o] * v[o][d];
-    acc[d] = c;
+  for (; r < R; ++r) {
+    const float* p = P + r * CHUNK;
+    float* a = A + r * D;
+    for (int64_t o = 0; o < n; ++o) {
+      const float w = p[o];
+      const float* vr = V[o];
+      for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+    }
   }
 }
 
@@ -154,41 +270,58 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
       const int64_t kv_end = first_pos + w.q_end;  // keys 0 .. last query's position
       for (int64_t c0 = 0; c0 < kv_end; c0 += CHUNK) {
         const int64_t n = std::min(CHUNK, kv_end - c0);
-        for (int64_t o = 0; o < n; ++o) {
-          const int64_t lp = c0 + o;
-          const int64_t slot = static_cast<int64_t>(table[lp / block_size]) * block_size + lp % block_size;
-          const kvscalar_t* kr = kp + w.kv_head * ks0 + slot * ks1;
-          const kvscalar_t* vr = vp + w.kv_head * vs0 + slot * vs1;
-          if constexpr (kv_is_float) {
-            krow[o] = reinterpret_cast<const float*>(kr);
-            vrow[o] = reinterpret_cast<const float*>(vr);
-          } else {
-            row_to_float(kr, kbuf.data() + o * D, D);
-            row_to_float(vr, vbuf.data() + o * D, D);
-            krow[o] = kbuf.data() + o * D;
-            vrow[o] = vbuf.data() + o * D;
+        // start loading the next chunk's K/V while this one is computed: its blocks are scattered over the
+        // pool, so the hardware prefetcher can't guess them
+        for (int64_t lp = c0 + CHUNK, stop = std::min(c0 + 2 * CHUNK, kv_end); lp < stop;) {
+          const int64_t off = lp % block_size, cnt = std::min(block_size - off, stop - lp);
+          const int64_t slot0 = static_cast<int64_t>(table[lp / block_size]) * block_size + off;
+          const char* kr = reinterpret_cast<const char*>(kp + w.kv_head * ks0 + slot0 * ks1);
+          const char* vr = reinterpret_cast<const char*>(vp + w.kv_head * vs0 + slot0 * vs1);
+          for (int64_t b = 0; b < cnt * ks1 * static_cast<int64_t>(sizeof(kvscalar_t)); b += 64) {
+            _mm_prefetch(kr + b, _MM_HINT_T0);
+            _mm_prefetch(vr + b, _MM_HINT_T0);
+          }
+          lp += cnt;
+        }
+        // the chunk's K/V row pointers, one block-table lookup per block (not per key: 64-bit division is slow)
+        for (int64_t o = 0; o < n;) {
+          const int64_t lp = c0 + o, off = lp % block_size;
+          const int64_t cnt = std::min(block_size - off, n - o);
+          const int64_t slot0 = static_cast<int64_t>(table[lp / block_size]) * block_size + off;
+          const kvscalar_t* kr = kp + w.kv_head * ks0 + slot0 * ks1;
+          const kvscalar_t* vr = vp + w.kv_head * vs0 + slot0 * vs1;
+          for (int64_t j = 0; j < cnt; ++j, ++o, kr += ks1, vr += vs1) {
+            if constexpr (kv_is_float) {
+              krow[o] = reinterpret_cast<const float*>(kr);
+              vrow[o] = reinterpret_cast<const float*>(vr);
+            } else {
+              row_to_float(kr, kbuf.data() + o * D, D);
+              row_to_float(vr, vbuf.data() + o * D, D);
+              krow[o] = kbuf.data() + o * D;
+              vrow[o] = vbuf.data() + o * D;
+            }
           }
         }
-        for (int64_t r = 0; r < R; ++r) {
-          if (pos[r] < c0) continue;  // causal: nothing in this chunk is visible to the row
-          const int64_t nv = std::min(n, pos[r] - c0 + 1);  // visible keys of the chunk
+        // rows are in query order, so the ones that see this chunk (pos >= c0) are a suffix
+        int64_t r0 = 0;
+        while (pos[r0] < c0) ++r0;
+        const int64_t Ra = R - r0;
+        float* s0 = s.data() + r0 * CHUNK;
+        scores_block(qbuf.data() + r0 * D, Ra, krow, n, D, scale, s0);
+        for (int64_t r = r0; r < R; ++r) {
+          const int64_t nv = std::min(n, pos[r] - c0 + 1);  // causal: keys of the chunk the row sees
           float* sr = s.data() + r * CHUNK;
-          scores_row(qbuf.data() + r * D, krow, nv, D, scale, sr);
-          float mx = m[r];
-          for (int64_t o = 0; o < nv; ++o) mx = std::max(mx, sr[o]);
+          const float mx = max_of(sr, nv, m[r]);
           const float corr = std::exp(m[r] - mx);  // m[r] = -inf on the first chunk -> 0
-          float sum = 0.f;
-          for (int64_t o = 0; o < nv; ++o) {
-            sr[o] = std::exp(sr[o] - mx);
-            sum += sr[o];
-          }
+          const float sum = exp_sub_sum(sr, nv, mx);
+          std::fill(sr + nv, sr + n, 0.f);  // hidden keys weigh nothing in pv_block
           float* ar = acc.data() + r * D;
           if (corr != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
           l[r] = l[r] * corr + sum;
           m[r] = mx;
-          pv_row(sr, vrow, nv, D, ar);
         }
+        pv_block(s0, Ra, vrow, n, D, acc.data() + r0 * D);
       }
       for (int64_t qi = 0; qi < nq; ++qi) {
         const int64_t t = qsl[w.seq] + w.q_begin + qi;
