@@ -278,8 +278,8 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
           const char* kr = reinterpret_cast<const char*>(kp + w.kv_head * ks0 + slot0 * ks1);
           const char* vr = reinterpret_cast<const char*>(vp + w.kv_head * vs0 + slot0 * vs1);
           for (int64_t b = 0; b < cnt * ks1 * static_cast<int64_t>(sizeof(kvscalar_t)); b += 64) {
-            _mm_prefetch(kr + b, _MM_HINT_T0);
-            _mm_prefetch(vr + b, _MM_HINT_T0);
+            __builtin_prefetch(kr + b, 0, 3);
+            __builtin_prefetch(vr + b, 0, 3);
           }
           lp += cnt;
         }
