@@ -108,6 +108,20 @@ def test_padded_baseline_time_budget_stops_after_a_batch():
     assert res.extra["completed_batches"] == 1 and res.extra["num_batches"] == 3
 
 
+def test_generate_batch_time_budget_counts_tokens_streamed_so_far():
+    import torch
+
+    from pagedllm.bench.baselines import Skipped, hf_continuous
+    from pagedllm.bench.workloads import BenchRequest
+
+    reqs = [BenchRequest([100 + i, 200, 300 + i], 400) for i in range(2)]
+    res = hf_continuous(reqs, torch.float32, progress=False, budget_s=3.0)
+    if isinstance(res, Skipped):
+        pytest.skip(res.note)
+    assert res.extra["cut_at_s"] >= 3.0 and res.extra["finished"] == res.num_requests == 0
+    assert 0 < res.output_tokens < 800 and res.prompt_tokens == 6  # both prompts were prefilled
+
+
 def test_sweep(outdir, capsys):
     r = run_bench("sweep", outdir, capsys)["result"]
     assert set(map(str, r["pagedllm"])) == {"1", "2"} and set(map(str, r["hf_dynamic"])) == {"1", "2"}
