@@ -183,9 +183,11 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
     bar = tqdm(total=len(reqs), desc=desc or system, unit="req", disable=not progress, dynamic_ncols=True,
                leave=False)
     peak_used, done = 0, 0
+    timeline = [(0.0, 0)]  # (seconds since t0, output tokens so far) after every step
     try:
         while eng.has_unfinished():
             eng.step()
+            timeline.append((time.monotonic() - t0, eng.stats.generation_tokens - stats0[4]))
             peak_used = max(peak_used, eng.kv.stats()["used"])
             n = sum(1 for h in handles if h.finished)
             if n > done or eng.stats.num_steps % 16 == 0:
@@ -222,8 +224,20 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
         "num_steps": eng.stats.num_steps - stats0[2],
         "num_preemptions": eng.stats.num_preemptions - stats0[3],
         "outputs": outs,
+        "timeline": timeline,
     }
     return res
+
+
+def tokens_by(timeline: list[tuple[float, int]], t: float) -> float:
+    """Output tokens a run had made ``t`` seconds after its start (linear between steps), from
+    ``run_engine``'s ``extra["timeline"]``: compares us with a baseline stopped at a time budget."""
+    prev_t, prev_n = 0.0, 0
+    for ti, n in timeline:
+        if ti >= t:
+            return prev_n + (n - prev_n) * (t - prev_t) / (ti - prev_t) if ti > prev_t else float(n)
+        prev_t, prev_n = ti, n
+    return float(prev_n)
 
 
 def strip_outputs(d: dict) -> dict:
@@ -231,6 +245,7 @@ def strip_outputs(d: dict) -> dict:
     d = dict(d)
     extra = dict(d.get("extra") or {})
     extra.pop("outputs", None)
+    extra.pop("timeline", None)
     d["extra"] = extra
     return d
 

@@ -108,6 +108,13 @@ def test_padded_baseline_time_budget_stops_after_a_batch():
     assert res.extra["completed_batches"] == 1 and res.extra["num_batches"] == 3
 
 
+def test_tokens_by_interpolates_a_run_timeline():
+    from pagedllm.bench.common import tokens_by
+
+    tl = [(0.0, 0), (1.0, 10), (3.0, 30)]
+    assert [tokens_by(tl, t) for t in (0.5, 1.0, 2.0, 5.0)] == [5.0, 10.0, 20.0, 30.0]
+
+
 def test_generate_batch_time_budget_counts_tokens_streamed_so_far():
     import torch
 
