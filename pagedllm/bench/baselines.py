@@ -191,7 +191,7 @@ def hf_continuous(reqs: list[BenchRequest], dtype: torch.dtype, page_size: int =
                 res.num_requests = len(got)
                 res.prompt_tokens = sum(ids[rid].prompt_len for rid in partial)  # prefilled ones
                 res.output_tokens = sum(partial.values())
-                res.extra = {"cut_at_s": res.elapsed_s, "finished": len(got), "page_size": page_size}
+                res.extra = {"cut_at_s": res.elapsed_s, "page_size": page_size}
                 return res
     except Exception as e:  # noqa: BLE001 - an experimental API: report, don't crash the bench
         return Skipped(name, f"failed: {type(e).__name__}: {str(e)[:160]}")

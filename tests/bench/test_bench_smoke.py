@@ -125,7 +125,7 @@ def test_generate_batch_time_budget_counts_tokens_streamed_so_far():
     res = hf_continuous(reqs, torch.float32, progress=False, budget_s=3.0)
     if isinstance(res, Skipped):
         pytest.skip(res.note)
-    assert res.extra["cut_at_s"] >= 3.0 and res.extra["finished"] == res.num_requests == 0
+    assert res.extra["cut_at_s"] >= 3.0 and res.num_requests == 0
     assert 0 < res.output_tokens < 800 and res.prompt_tokens == 6  # both prompts were prefilled
 
 
