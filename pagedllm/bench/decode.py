@@ -93,9 +93,10 @@ def run(args) -> Report:
     if hf_ms:
         best = {b: min(v[i] for k, v in result["ms"].items() if k != "HF generate") for i, b in enumerate(sizes)}
         rows.append(["HF / best backend (x)"] + [hf_ms[i] / best[b] for i, b in enumerate(sizes)])
+    weights = "in their GGUF Q4_1/Q8_0 blocks" if model.quantization == "gguf" else "dense"
     rep = Report("decode", "Decode step time (ms) by batch size: paged backends vs HF generate",
-                 [f"SmolLM2-135M, {dt}, {context}-token context per sequence, median of {steps} steps, "
-                  f"{torch.get_num_threads()} torch threads"])
+                 [f"SmolLM2-135M, {dt}, weights {weights}, {context}-token context per sequence, median of {steps} "
+                  f"steps, {torch.get_num_threads()} torch threads"])
     rep.tables.append(Table(["system"] + [f"batch {b}" for b in sizes], rows, digits=1))
     rep.result = result
     return rep

@@ -29,6 +29,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: same as dtype
+    quantization: str = "auto"  # "gguf": keep a GGUF's Q4_1/Q8_0 matrices in their blocks (models/quant.py)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.1

@@ -53,7 +53,7 @@ class LLMEngine:
         dtype = resolve_dtype(args.dtype)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype)
         cfg = ckpt.config
-        model = LlamaForCausalLM.from_checkpoint(ckpt, dtype)
+        model = LlamaForCausalLM.from_checkpoint(ckpt, dtype, args.quantization)
         del ckpt
         dims = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
         if args.num_blocks is not None:

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from pagedllm.models.quant import BLOCK_BYTES, QuantizedWeight
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -67,6 +69,14 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     halves (rows viewed as [head, 2, d/2] -> [head, d/2, 2]) for its GPT-J style RoPE; HF Llama
     rotates halves, so the view goes back ([head, d/2, 2] -> [head, 2, d/2])."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_rows(arch: str, name: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """Rows of tensor ``name`` in HF order (llama q/k are permuted; whole rows move, so this works on
+    dequantized values and on rows of quantized blocks alike)."""
+    if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+        return _unpermute_rotary(w, heads if ".attn_q." in name else kv_heads)
+    return w
 
 
 class _Meta:
@@ -124,8 +134,9 @@ def _hf_config(meta: _Meta, arch: str, tied: bool) -> PretrainedConfig:
     )
 
 
-def read_gguf(path: str) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
-    """Dequantize every tensor of a Llama/Qwen2/Qwen3 GGUF to float32 under its HF name.
+def read_gguf(path: str) -> tuple[PretrainedConfig, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Dequantize every tensor of a Llama/Qwen2/Qwen3 GGUF to float32 under its HF name; also return the
+    matrices stored in a block format the kernels read (Q4_1, Q8_0) still quantized, in HF row order.
 
     Checks architecture and quantization types before any dequantization so that bad files fail
     in milliseconds, with the supported options in the message.
@@ -148,14 +159,18 @@ def read_gguf(path: str) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
     if "rope_freqs.weight" in names:
         raise ValueError(f"GGUF {path} carries llama3-style rope_freqs, which pagedllm cannot map; use the HF directory")
     config = _hf_config(meta, arch, tied="output.weight" not in names)
-    kv_heads = config.num_key_value_heads
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantizedWeight] = {}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type)
-        if arch == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
-            w = _unpermute_rotary(w, config.num_attention_heads if ".attn_q." in t.name else kv_heads)
-        state[hf_tensor_name(t.name)] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))  # copies mmap views
-    return config, state
+        name = hf_tensor_name(t.name)
+        w = _hf_rows(arch, t.name, dequantize(t.data, t.tensor_type), heads, kv_heads)
+        state[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))  # copies mmap views
+        qtype = int(t.tensor_type.value)
+        if qtype in BLOCK_BYTES and t.data.ndim == 2:
+            rows = np.array(_hf_rows(arch, t.name, t.data, heads, kv_heads), order="C")  # a copy: not the mmap
+            blocks[name] = QuantizedWeight(torch.from_numpy(rows), qtype, tuple(w.shape))
+    return config, state, blocks
 
 
 def read_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

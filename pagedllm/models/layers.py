@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
+from pagedllm.models.quant import QuantizedWeight, quantized_linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -58,7 +59,7 @@ def _onednn_linear():
     return op
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upcast: bool = False,
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None, upcast: bool = False,
            skinny_max_rows: int = SKINNY_MAX_ROWS) -> torch.Tensor:
     """``F.linear`` over a flat batch ``x [T, K]``.
 
@@ -66,8 +67,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upca
     CPUs without native bf16 that is ~4x faster than a bf16 GEMM and more accurate. Few-row batches
     (up to ``skinny_max_rows``: decode steps) of fp32 activations go to a C++ kernel that streams the
     fp32 or bf16 weight once at close to memory bandwidth; ATen's GEMM reaches under half of it there.
-    Larger fp32 batches go to oneDNN where torch has it.
+    Larger fp32 batches go to oneDNN where torch has it. GGUF block weights: see ``models/quant.py``.
     """
+    if isinstance(w, QuantizedWeight):
+        return quantized_linear(x, w, b, skinny_max_rows)
     fp32_cpu = x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()
     if (fp32_cpu and x.shape[0] <= skinny_max_rows and w.dtype in (torch.float32, torch.bfloat16)
             and x.shape[1] % 8 == 0 and w.is_contiguous()):
@@ -81,6 +84,49 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, upca
     if not upcast:
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+_FUSED_SRC = Path(__file__).with_name("csrc") / "fused_ops.cpp"
+
+
+@functools.cache
+def _fused_kernel():
+    """The C++ norm / rotary / gated-activation ops (None where they can't be built: ATen is used then)."""
+    return native.try_load_extension("pagedllm_fused_ops", _FUSED_SRC)
+
+
+def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor (None aside) is contiguous float32 on the CPU, as the fused kernels require.
+    A plain loop over the cheapest attributes: at batch 1 this check runs ~120 times a step."""
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous()):
+            return False
+    return True
+
+
+def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` in place (the residual add; skipped when ``delta`` is None), then ``rms_norm(h)``.
+
+    For fp32 ``[T, E]`` on CPU this is one C++ op: ATen runs RMSNorm as ~8 small ops, which is most
+    of the per-op overhead of a batch-1 decode step. Anything else goes through :func:`rms_norm`.
+    """
+    if h.dim() == 2 and weight.dim() == 1 and _fp32_cpu(h, weight, delta):
+        kernel = _fused_kernel()
+        if kernel is not None:
+            return kernel.add_rms_norm_(h, delta, weight, eps)
+    if delta is not None:
+        h.add_(delta)
+    return rms_norm(h, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up output ``[T, 2I]`` (gate first); one C++ op for fp32 on CPU."""
+    if gate_up.dim() == 2 and _fp32_cpu(gate_up):
+        kernel = _fused_kernel()
+        if kernel is not None:
+            return kernel.silu_mul(gate_up)
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,20 +180,23 @@ def rope_cos_sin(
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, N, D]`` (Hugging Face's rotate-half layout) by per-token ``cos, sin [T, D/2]``.
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x [T, N, D]`` in place (Hugging Face's rotate-half layout) by per-token ``cos, sin [T, D/2]``.
 
-    Same arithmetic as HF's ``x * cos + rotate_half(x) * sin`` (the halves of its duplicated
-    tables are equal), on the whole batch and all heads at once.
+    Same arithmetic as HF's ``x * cos + rotate_half(x) * sin`` (the halves of its duplicated tables
+    are equal), on the whole batch and all heads at once. ``x`` may be the q/k heads viewed inside the
+    fused qkv output (rows strided, each row's heads contiguous): fp32 on CPU is one C++ op then.
     """
+    if (x.dim() == 3 and x.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and _fp32_cpu(cos, sin)):
+        kernel = _fused_kernel()
+        if kernel is not None:
+            kernel.rope_(x, cos, sin)
+            return
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c = cos[:, None, :]
     s = sin[:, None, :]
-    out = torch.empty(x.shape, dtype=x.dtype)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, c, out=o1)
-    o1.sub_(x2 * s)
-    torch.mul(x2, c, out=o2)
-    o2.add_(x1 * s)
-    return out
+    x1s = x1 * s
+    x1.mul_(c).sub_(x2 * s)
+    x2.mul_(c).add_(x1s)

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.layers import (LOGITS_SKINNY_MAX_ROWS, apply_rope, cpu_has_native_bf16, linear, rms_norm,
-                                    rope_cos_sin)
+from pagedllm.models.layers import (LOGITS_SKINNY_MAX_ROWS, add_rms_norm_, apply_rope_, cpu_has_native_bf16, linear,
+                                    rms_norm, rope_cos_sin, silu_mul)
+from pagedllm.models.quant import (QUANT_LOGITS_MAX_ROWS, QUANTIZATIONS, QuantizedWeight, kernel_available,
+                                   load_blocks)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -43,26 +45,30 @@ class LlamaDecoderLayer(nn.Module):
         self.post_norm = _param(E, dtype=act_dtype)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, E, dtype=dtype)
         self.down_weight = _param(E, cfg.intermediate_size, dtype=dtype)
-        self.intermediate_size = cfg.intermediate_size
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta, backend, scale):
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos, sin, k_cache, v_cache, meta, backend,
+                scale: float) -> torch.Tensor:
+        """One layer over the residual stream ``h [T, E]``, updated in place; returns the MLP output.
+
+        Each residual add is fused into the norm that follows it (vLLM style), so ``delta`` is the
+        previous layer's MLP output (None at the first layer) and the caller adds the one returned
+        here in the next layer's input norm or the final norm.
+        """
         up = self.upcast
         T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        x = rms_norm(h, self.input_norm, self.eps)
+        x = add_rms_norm_(h, delta, self.input_norm, self.eps)
         qkv = linear(x, self.qkv_weight, self.qkv_bias, up)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D)
         v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
-        qk = apply_rope(qk, cos, sin)
+        apply_rope_(qk, cos, sin)
         attn = backend.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, scale)  # [T, H, D]
-        h = h + linear(attn.reshape(T, H * D), self.o_weight, self.o_bias, up)
-        x = rms_norm(h, self.post_norm, self.eps)
+        o = linear(attn.reshape(T, H * D), self.o_weight, self.o_bias, up)
+        x = add_rms_norm_(h, o, self.post_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, None, up)
-        act = F.silu(gate_up[:, : self.intermediate_size])
-        act.mul_(gate_up[:, self.intermediate_size :])
-        return h + linear(act, self.down_weight, None, up)
+        return linear(silu_mul(gate_up), self.down_weight, None, up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,14 +101,59 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = cfg.head_dim**-0.5
+        self.quantization = "none"  # "gguf" once use_gguf_blocks swapped the matrices in
 
     # ------------------------------------------------------------------ weights
     @classmethod
-    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32) -> "LlamaForCausalLM":
-        """Our model with a loaded ``pagedllm.models.loader.Checkpoint``'s weights."""
+    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, quantization: str = "auto") -> "LlamaForCausalLM":
+        """Our model with a loaded ``pagedllm.models.loader.Checkpoint``'s weights; ``quantization="gguf"``
+        keeps the GGUF's Q4_1/Q8_0 matrices in their blocks (see ``models/quant.py``; "auto" does where it can)."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
         model = cls(ckpt.config, dtype=dtype)
         model.load_hf_state_dict(ckpt.state_dict)
+        if quantization == "auto":
+            usable = ckpt.blocks_path is not None and model.act_dtype == torch.float32 and kernel_available()
+            quantization = "gguf" if usable else "none"
+        if quantization == "gguf":
+            if ckpt.blocks_path is None:
+                raise ValueError("quantization='gguf' needs a GGUF checkpoint with Q4_1/Q8_0 matrices; this model "
+                                 "has none")
+            if model.act_dtype != torch.float32:
+                raise ValueError("quantization='gguf' computes in float32: use dtype float32 (or bfloat16 on a CPU "
+                                 "without native bf16)")
+            model.use_gguf_blocks(load_blocks(ckpt.blocks_path))
         return model
+
+    def use_gguf_blocks(self, blocks: Mapping[str, QuantizedWeight]) -> None:
+        """Swap each matrix whose HF parts are all in ``blocks`` (one block format) for its block form,
+        freeing the dense copy. Biases and norms stay dense."""
+
+        def swap(module: nn.Module, attr: str, *names: str) -> int:
+            parts = [blocks.get(n) for n in names]
+            if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+                return 0
+            fused = parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
+            if fused.shape != tuple(getattr(module, attr).shape):
+                raise ValueError(f"GGUF blocks {fused.shape} do not match {attr} {tuple(getattr(module, attr).shape)}")
+            delattr(module, attr)
+            setattr(module, attr, fused)
+            return 1
+
+        n = swap(self, "embed", "model.embed_tokens.weight")
+        if self.config.tie_word_embeddings and n:
+            delattr(self, "lm_head")
+            self.lm_head = self.embed
+        elif not self.config.tie_word_embeddings:
+            n += swap(self, "lm_head", "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            n += swap(layer, "qkv_weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            n += swap(layer, "o_weight", a + "o_proj.weight")
+            n += swap(layer, "gate_up_weight", m + "gate_proj.weight", m + "up_proj.weight")
+            n += swap(layer, "down_weight", m + "down_proj.weight")
+        if n:
+            self.quantization = "gguf"
 
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight`` ...),
@@ -165,16 +216,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One pass over the flat batch; calls ``backend.prepare(meta)`` once before the layers."""
         backend.prepare(meta)
-        h = F.embedding(input_ids, self.embed).to(self.act_dtype)
+        h = self.embed_tokens(input_ids)  # a fresh tensor: the layers update it in place
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)
+        delta = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, cos, sin, k_cache, v_cache, meta, backend, self.scale)
-        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+            delta = layer(h, delta, cos, sin, k_cache, v_cache, meta, backend, self.scale)
+        return add_rms_norm_(h, delta, self.norm, self.config.rms_norm_eps)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``[T, E]`` in the activation dtype (a new tensor)."""
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.dequantize(input_ids)
+        return F.embedding(input_ids, self.embed).to(self.act_dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` of (final-normed) hidden states ``[N, E]``."""
+        max_rows = QUANT_LOGITS_MAX_ROWS if isinstance(self.lm_head, QuantizedWeight) else LOGITS_SKINNY_MAX_ROWS
         return linear(hidden.float() if self.upcast_matmuls else hidden, self.lm_head, None,
-                      self.upcast_matmuls, skinny_max_rows=LOGITS_SKINNY_MAX_ROWS).float()
+                      self.upcast_matmuls, skinny_max_rows=max_rows).float()

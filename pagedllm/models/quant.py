@@ -1,0 +1,105 @@
+"""Weight matrices kept in their GGUF block format (``quantization="gguf"``).
+
+The embedded SmolLM2 GGUF stores its layer matrices as Q4_1 (5 bits per weight) and its embedding
+as Q8_0 (8.5 bits): 96 MB instead of 540 MB of fp32. Decoding is a stream over the weights, so
+reading the blocks and widening them in the kernel (``csrc/skinny_linear.cpp``) instead of reading
+fp32 makes the few-row GEMMs of decode steps faster. The kernel dequantizes to exactly the fp32
+values the loader's ``gguf.quants.dequantize`` produces and runs the fp32 path's register tiles on
+them, so outputs are bit-identical to the fp32 model for batches up to ``SKINNY_MAX_ROWS`` rows;
+larger batches (prefill) dequantize the matrix and run oneDNN's fp32 GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# ggml type ids of the block formats the kernel reads, and their bytes per 32-weight block
+BLOCK_BYTES = {3: 20, 8: 34}  # Q4_1, Q8_0
+QUANT_NAMES = {3: "Q4_1", 8: "Q8_0"}
+# auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
+# weights are the same values either way); else "none"
+QUANTIZATIONS = ("auto", "none", "gguf")
+# The LM head (28M weights for SmolLM2) stays on the dequantizing kernel at every batch size: a dense
+# copy per call costs ~80 ms of page faults, more than the kernel's lower GEMM rate loses at 128 rows.
+QUANT_LOGITS_MAX_ROWS = 1 << 20
+
+
+@dataclass
+class QuantizedWeight:
+    """A ``[N, K]`` matrix as rows of GGUF blocks: ``data`` is uint8 ``[N, K / 32 * block bytes]``."""
+
+    data: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"ggml type {self.qtype} has no kernel; supported: {', '.join(QUANT_NAMES.values())}")
+        n, k = self.shape
+        if k % 32 or tuple(self.data.shape) != (n, k // 32 * BLOCK_BYTES[self.qtype]) or self.data.dtype != torch.uint8:
+            raise ValueError(f"{QUANT_NAMES[self.qtype]} data {tuple(self.data.shape)} does not hold a {n}x{k} matrix")
+
+    @staticmethod
+    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Stack matrices along their rows (fused q/k/v, gate/up); they must share the block format."""
+        if len({p.qtype for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("only matrices of one block format and width can be fused")
+        data = torch.cat([p.data for p in parts])
+        return QuantizedWeight(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 matrix, or only the given ``rows`` of it (embedding lookups)."""
+        data = self.data if rows is None else self.data.index_select(0, rows)
+        return kernel().dequantize(data, self.qtype, self.shape[1])
+
+
+def save_blocks(blocks: dict[str, QuantizedWeight], path: str) -> None:
+    """Write block matrices as uint8 safetensors, their formats and shapes in the metadata."""
+    from safetensors.torch import save_file
+
+    meta = {name: f"{w.qtype}:{w.shape[0]}:{w.shape[1]}" for name, w in blocks.items()}
+    save_file({name: w.data for name, w in blocks.items()}, path, metadata=meta)
+
+
+def load_blocks(path: str) -> dict[str, QuantizedWeight]:
+    """Read what :func:`save_blocks` wrote."""
+    from safetensors import safe_open
+
+    out: dict[str, QuantizedWeight] = {}
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        for name in f.keys():
+            qtype, n, k = (int(v) for v in meta[name].split(":"))
+            out[name] = QuantizedWeight(f.get_tensor(name), qtype, (n, k))
+    return out
+
+
+def kernel_available() -> bool:
+    """Whether the block kernel builds on this machine."""
+    from pagedllm.models.layers import _skinny_kernel
+
+    return _skinny_kernel() is not None
+
+
+def kernel():
+    """The compiled kernel; RuntimeError with the way out when it can't be built."""
+    from pagedllm.models.layers import _skinny_kernel
+
+    k = _skinny_kernel()
+    if k is None:
+        raise RuntimeError("quantization='gguf' needs the C++ kernels (g++ with OpenMP and an AVX2 CPU); "
+                           "use quantization='none'")
+    return k
+
+
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None, max_rows: int) -> torch.Tensor:
+    """``x [T, K] @ w.T (+ b)`` in fp32: the dequantizing kernel up to ``max_rows`` rows, else oneDNN/ATen
+    on the dequantized matrix."""
+    from pagedllm.models.layers import linear
+
+    x = x.float().contiguous()
+    if x.shape[0] <= max_rows:
+        return kernel().quant_linear(x, w.data, w.qtype, b)
+    return linear(x, w.dequantize(), b, skinny_max_rows=0)

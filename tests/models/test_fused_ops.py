@@ -1,0 +1,88 @@
+"""The fused C++ norm / rotary / activation ops against ATen, and their ATen fallback (bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.models import layers
+from pagedllm.models.layers import add_rms_norm_, apply_rope_, silu_mul
+
+pytestmark = pytest.mark.skipif(layers._fused_kernel() is None, reason="the fused C++ ops can't be built here")
+
+ROWS = (1, 3, 65, 200)
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary of ``x [T, N, D]`` out of place, in ATen ops of the input dtype."""
+    half = x.shape[-1] // 2
+    x1, x2, c, s = x[..., :half], x[..., half:], cos[:, None], sin[:, None]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+@pytest.mark.parametrize("T", ROWS)
+@pytest.mark.parametrize("E", (576, 104, 13))
+@pytest.mark.parametrize("with_delta", (False, True))
+def test_add_rms_norm(T: int, E: int, with_delta: bool) -> None:
+    g = torch.Generator().manual_seed(T * E)
+    h, d, w = torch.randn(T, E, generator=g), torch.randn(T, E, generator=g), torch.randn(E, generator=g)
+    ref_h = h + d if with_delta else h.clone()
+    ref = F.rms_norm(ref_h, (E,), w, 1e-5)
+    got = layers._fused_kernel().add_rms_norm_(h, d if with_delta else None, w, 1e-5)
+    assert torch.equal(h, ref_h)  # the residual add is exact and in place
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", ROWS)
+@pytest.mark.parametrize("I", (1536, 100))
+def test_silu_mul(T: int, I: int) -> None:
+    gate_up = 4 * torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(T + I))
+    ref = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    torch.testing.assert_close(layers._fused_kernel().silu_mul(gate_up), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("T", ROWS)
+def test_rope_in_qkv_view(T: int) -> None:
+    """Rotates the q and k heads inside a fused qkv row in place, leaving v alone."""
+    H, Hkv, D = 9, 3, 64
+    g = torch.Generator().manual_seed(T)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    cos, sin = torch.randn(T, D // 2, generator=g), torch.randn(T, D // 2, generator=g)
+    qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    ref, v = _rope_ref(qk, cos, sin), qkv[:, (H + Hkv) * D :].clone()
+    layers._fused_kernel().rope_(qk, cos, sin)
+    torch.testing.assert_close(qk, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, (H + Hkv) * D :], v)
+
+
+def test_wrappers_fall_back_to_aten_for_bf16() -> None:
+    T, E, N, D = 5, 64, 4, 16
+    g = torch.Generator().manual_seed(0)
+    h, d, w = (torch.randn(*s, generator=g).bfloat16() for s in ((T, E), (T, E), (E,)))
+    ref = F.rms_norm((h + d).float(), (E,), None, 1e-6).bfloat16() * w
+    out = add_rms_norm_(h, d, w, 1e-6)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    gate_up = torch.randn(T, 2 * E, generator=g).bfloat16()
+    assert torch.equal(silu_mul(gate_up), F.silu(gate_up[:, :E]) * gate_up[:, E:])
+    x = torch.randn(T, N, D, generator=g).bfloat16()
+    cos, sin = torch.randn(T, D // 2, generator=g).bfloat16(), torch.randn(T, D // 2, generator=g).bfloat16()
+    ref = _rope_ref(x, cos, sin)
+    apply_rope_(x, cos, sin)
+    assert torch.equal(x, ref)
+
+
+def test_fp32_wrappers_match_aten() -> None:
+    """The fp32 wrappers match the ATen path on the shapes of a decode layer."""
+    T, E, N, D = 2, 576, 12, 64
+    g = torch.Generator().manual_seed(1)
+    h, d, w = torch.randn(T, E, generator=g), torch.randn(T, E, generator=g), torch.randn(E, generator=g)
+    torch.testing.assert_close(add_rms_norm_(h.clone(), d, w, 1e-5), F.rms_norm(h + d, (E,), w, 1e-5),
+                               rtol=1e-6, atol=1e-6)
+    x = torch.randn(T, N, D, generator=g)
+    cos, sin = torch.randn(T, D // 2, generator=g), torch.randn(T, D // 2, generator=g)
+    ref = _rope_ref(x, cos, sin)
+    apply_rope_(x, cos, sin)
+    torch.testing.assert_close(x, ref, rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(T, 2 * E, generator=g)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate_up[:, :E]) * gate_up[:, E:], rtol=1e-6, atol=1e-7)

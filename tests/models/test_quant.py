@@ -1,0 +1,140 @@
+"""GGUF block weights (``quantization="gguf"``): the kernel reads Q4_1/Q8_0 blocks and must give exactly
+what the fp32 path gives on the dequantized matrix, from one GEMM up to the whole engine."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize, quantize
+
+from pagedllm.models import layers
+from pagedllm.models.quant import QuantizedWeight
+
+kernel = layers._skinny_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the AVX2 C++ kernel could not be built on this machine")
+QTYPES = [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+
+
+def make_weight(qtype, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random matrix quantized by gguf-py, and gguf-py's own dequantization of it (the reference)."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    blocks = quantize(w, qtype)
+    dense = torch.from_numpy(np.require(dequantize(blocks, qtype), np.float32, ["C", "W"]))
+    return QuantizedWeight(torch.from_numpy(blocks), int(qtype), (n, k)), dense
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(1, 32), (13, 64), (192, 576), (9, 1536)])
+def test_dequantize_matches_gguf_exactly(qtype, n, k):
+    qw, dense = make_weight(qtype, n, k, seed=n + k)
+    assert torch.equal(qw.dequantize(), dense)
+    rows = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(qw.dequantize(rows), dense[rows])
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 2, 5, 64])
+@pytest.mark.parametrize("n,k", [(7, 64), (192, 576), (13, 1536)])
+def test_quant_linear_is_bit_identical_to_the_fp32_kernel(qtype, m, n, k):
+    """Same register tiles over an exactly dequantized panel: equal bits, with and without bias."""
+    qw, dense = make_weight(qtype, n, k, seed=m * 7 + n)
+    g = torch.Generator().manual_seed(m + n + k)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    assert torch.equal(layers.linear(x, qw, b), kernel.skinny_linear(x, dense, b))
+    torch.testing.assert_close(layers.linear(x, qw), F.linear(x, dense), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_large_batches_dequantize_and_match_f_linear():
+    qw, dense = make_weight(QTYPES[0], 48, 96, seed=3)
+    x = torch.randn(layers.SKINNY_MAX_ROWS + 5, 96)
+    torch.testing.assert_close(layers.linear(x, qw), F.linear(x, dense), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_block_data_raises():
+    with pytest.raises(ValueError, match="no kernel"):
+        QuantizedWeight(torch.zeros(2, 20, dtype=torch.uint8), 2, (2, 32))  # Q4_0
+    with pytest.raises(ValueError, match="does not hold"):
+        QuantizedWeight(torch.zeros(2, 21, dtype=torch.uint8), 3, (2, 32))
+    a = QuantizedWeight(torch.zeros(2, 20, dtype=torch.uint8), 3, (2, 32))
+    b = QuantizedWeight(torch.zeros(2, 34, dtype=torch.uint8), 8, (2, 32))
+    with pytest.raises(ValueError, match="one block format"):
+        QuantizedWeight.cat([a, b])
+
+
+@pytest.fixture(scope="module")
+def smol_pair():
+    from pagedllm.models.llama import LlamaForCausalLM
+    from pagedllm.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None)
+    return (ckpt, LlamaForCausalLM.from_checkpoint(ckpt, quantization="none"),
+            LlamaForCausalLM.from_checkpoint(ckpt))  # auto: the blocks, here
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_smollm2_gguf_blocks_give_the_fp32_models_logits(smol_pair):
+    """Every matrix of the embedded model in its Q4_1/Q8_0 blocks; prefill (oneDNN on the dequantized
+    matrices) and decode steps (the block kernel) give bit-identical logits to the fp32 model."""
+    from pagedllm.attention import get_backend
+    from pagedllm.kv import KVCache
+    from pagedllm.model_runner import ModelRunner, SeqChunk
+
+    ckpt, dense, quant = smol_pair
+    cfg = ckpt.config
+    assert (dense.quantization, quant.quantization) == ("none", "gguf")
+    layer = quant.layers[0]
+    assert all(isinstance(getattr(layer, a), QuantizedWeight)
+               for a in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"))
+    assert quant.lm_head is quant.embed and quant.embed.qtype == int(gguf.GGMLQuantizationType.Q8_0)
+    runners = [ModelRunner(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16), get_backend("cpu"))
+               for m in (dense, quant)]
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    steps = [[SeqChunk(list(range(200 + 31 * i, 300 + 31 * i)), 0, tables[i]) for i in range(3)]]
+    steps += [[SeqChunk([17 + s + i], 100 + s, tables[i]) for i in range(3)] for s in range(3)]
+    for chunks in steps:
+        a, b = (r.execute(chunks) for r in runners)
+        assert torch.equal(a, b)
+
+
+def test_gguf_quantization_needs_a_gguf_checkpoint(smol_pair, tiny_hf_dir):
+    from pagedllm.models.llama import LlamaForCausalLM
+    from pagedllm.models.loader import load_checkpoint
+
+    ckpt, _, _ = smol_pair
+    with pytest.raises(ValueError, match="unknown quantization"):
+        LlamaForCausalLM.from_checkpoint(ckpt, quantization="awq")
+    with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
+        LlamaForCausalLM.from_checkpoint(load_checkpoint(tiny_hf_dir), quantization="gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory, smol_pair) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = smol_pair[0].tokenizer
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    d = tmp_path_factory.mktemp("tiny_hf")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_engine_default_reads_the_blocks_and_generates_what_the_dense_model_does():
+    from pagedllm import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for q in ("auto", "none"):
+        llm = LLM(quantization=q, dtype="float32", num_blocks=32)
+        assert llm.engine.runner.model.quantization == ("gguf" if q == "auto" else "none")
+        outs[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["auto"] == outs["none"]
