@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
-from pagedllm.attention.metadata import AttentionMetadata, write_kv
+from pagedllm.attention.metadata import AttentionMetadata
 
 _SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 
@@ -52,7 +52,7 @@ class CpuBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ext = load_extension()
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ext.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)

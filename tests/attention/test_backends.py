@@ -94,6 +94,25 @@ def test_cpu_q_tiles(cpu_backend):
     _check(CpuBackend(sdpa_prefill_min_len=16), [1, 8, 50], [300, 20, 50], atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_write_kv_takes_qkv_views_and_checks_slots(cpu_backend, cache_dtype):
+    """The kernel's K/V scatter reads the k/v heads straight out of a fused qkv output and rounds like
+    ``Tensor.to``; a slot outside the pool is an error, not a stray write."""
+    from pagedllm.attention.cpu import load_extension
+    from pagedllm.attention.metadata import write_kv
+
+    qkv = torch.randn(5, (4 + 2 + 2) * 16)
+    k, v = qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16)
+    slots = torch.tensor([7, 0, 31, 12, 3])
+    want = [torch.zeros(2, 32, 16, dtype=cache_dtype) for _ in range(2)]
+    write_kv(k, v, *want, slots)
+    got = [torch.zeros(2, 32, 16, dtype=cache_dtype) for _ in range(2)]
+    load_extension().write_kv(k, v, *got, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        load_extension().write_kv(k, v, *got, torch.tensor([7, 0, 32, 12, 3]))
+
+
 def test_cpu_shared_blocks(cpu_backend):
     """Two sequences reading the same physical prefix blocks (prefix cache / fork)."""
     b = make_random_batch([1, 1], [40, 40], block_size=16)

@@ -175,6 +175,7 @@ def test_cache_round_trip_converts_once(tmp_path: Path, monkeypatch: pytest.Monk
     _assert_same_tensors(second.state_dict, first.state_dict)
     assert second.config == first.config and second.hf_config.to_dict() == first.hf_config.to_dict()
     assert [second.tokenizer(s).input_ids for s in SENTENCES] == [smollm2.tokenizer(s).input_ids for s in SENTENCES]
+    assert [p.name for p in Path(first.path).glob("*.safetensors")] == ["model.safetensors"]  # what vLLM reads
     blocks = load_blocks(second.blocks_path)  # the Q8_0 matrices, kept for quantization="gguf"
     assert set(blocks) == {n for n, t in first.state_dict.items() if t.dim() == 2}
     hf = AutoModelForCausalLM.from_pretrained(first.path)

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX2__
@@ -379,6 +380,64 @@ void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
   else dispatch(at::BFloat16{}, at::BFloat16{});
 }
 
+namespace {
+
+template <typename ST, typename DT>
+void scatter_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
+  const int64_t T = src.size(0), Hkv = src.size(1), D = src.size(2);
+  const ST* sp = src.data_ptr<ST>();
+  DT* cp = cache.data_ptr<DT>();
+  const int64_t rows = cache.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+      DT* d = cp + (h * rows + slots[t]) * D;
+      if constexpr (std::is_same_v<ST, DT>)
+        std::memcpy(d, s, D * sizeof(DT));
+      else
+        for (int64_t i = 0; i < D; ++i) d[i] = static_cast<DT>(static_cast<float>(s[i]));  // bf16: round to nearest even
+    }
+  }
+}
+
+template <typename ST>
+void scatter(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
+  if (cache.scalar_type() == at::kFloat)
+    scatter_rows<ST, float>(src, cache, slots);
+  else
+    scatter_rows<ST, at::BFloat16>(src, cache, slots);
+}
+
+}  // namespace
+
+// Writes the step's new K and V rows [T, Hkv, D] (row-strided views of the qkv output are fine) into the pool
+// rows named by slot_mapping [T] (int64), converting to the cache dtype: one call instead of two index_copy_
+// dispatches per layer, which cost more than the decode attention itself at batch 1.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be [T, Hkv, D] with contiguous head rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(0) == k.size(1) && k_cache.size(2) == k.size(2),
+              "caches must be contiguous [Hkv, slots, D]");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16, "k must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "cache must be float32 or bfloat16");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0), "slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  pybind11::gil_scoped_release no_gil;
+  if (k.scalar_type() == at::kFloat) {
+    scatter<float>(k, k_cache, slots);
+    scatter<float>(v, v_cache, slots);
+  } else {
+    scatter<at::BFloat16>(k, k_cache, slots);
+    scatter<at::BFloat16>(v, v_cache, slots);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_out", &paged_attention_out, "paged attention over the block pool (in place)");
+  m.def("write_kv", &write_kv, "scatter new K/V rows into the pool slots");
 }
