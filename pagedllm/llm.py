@@ -60,6 +60,10 @@ class LLM:
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's cached-free blocks (see ``LLMEngine.reset_prefix_cache``)."""
+        return self.engine.reset_prefix_cache()
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 

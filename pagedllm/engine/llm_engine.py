@@ -288,6 +288,12 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.metrics,
                              num_cached_tokens=req.metrics.num_cached_tokens)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block (as vLLM's ``reset_prefix_cache``; blocks of running requests keep
+        theirs), e.g. so a benchmark's second pass over the same prompts computes them again. Returns how
+        many were dropped."""
+        return self.kv.prefix_cache.evict(self.kv.pool.num_cached_free)
+
     def pool_stats(self) -> dict:
         """Gauges for metrics and the dashboard."""
         kv = self.kv.stats()

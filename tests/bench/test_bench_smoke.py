@@ -113,6 +113,7 @@ def test_throughput_runs_vllm_between_two_runs_of_ours(tmp_path, capsys, monkeyp
     mean = (runs["pagedllm"]["output_tok_s"] + runs[AGAIN]["output_tok_s"]) / 2
     assert r["speedup"][baselines.VLLM_NAME] == pytest.approx(mean / 4.0)
     assert AGAIN not in r["speedup"] or r["speedup"][AGAIN] is None
+    assert runs[AGAIN]["extra"]["prompt_tokens_cached"] == runs["pagedllm"]["extra"]["prompt_tokens_cached"]
 
 
 def test_padded_baseline_time_budget_stops_after_a_batch():

@@ -44,6 +44,10 @@ def test_cache_salt_isolates_tenants(tiny_model_dir):
     other = llm.generate([prompt], sp, use_tqdm=False, cache_salt="tenant-b")[0]
     same = llm.generate([prompt], sp, use_tqdm=False, cache_salt="tenant-a")[0]
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 96
+    assert llm.reset_prefix_cache() > 0
+    llm.engine.kv.check_integrity()
+    again = llm.generate([prompt], sp, use_tqdm=False, cache_salt="tenant-a")[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == same.outputs[0].token_ids
 
 
 @pytest.mark.slow
