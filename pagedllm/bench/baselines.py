@@ -213,6 +213,9 @@ def hf_continuous(reqs: list[BenchRequest], dtype: torch.dtype, page_size: int =
 
 
 # ----------------------------------------------------------------------------- llama.cpp
+LLAMA_CPP_NAME = "llama.cpp (llama-cpp-python, sequential)"
+
+
 def llama_cpp(reqs: list[BenchRequest], progress: bool = True, budget_s: float | None = None) -> RunResult | Skipped:
     """llama-cpp-python, one request at a time (its high-level API has no batching) on the GGUF file, with as
     many threads as our engine, after a 2-token warm-up. With ``budget_s`` it stops after the request that
@@ -220,7 +223,7 @@ def llama_cpp(reqs: list[BenchRequest], progress: bool = True, budget_s: float |
 
     Note: it runs the Q4_1 GGUF weights with its own kernels, not our fp32/bf16 copy of them.
     """
-    name = "llama.cpp (llama-cpp-python, sequential)"
+    name = LLAMA_CPP_NAME
     if importlib.util.find_spec("llama_cpp") is None:
         return Skipped(name, "llama-cpp-python not installed (it builds from source, ~12 min: "
                              "scripts/setup_baselines.sh); skipped")
@@ -259,6 +262,8 @@ def llama_cpp(reqs: list[BenchRequest], progress: bool = True, budget_s: float |
             res.output_lens.append(n)
             res.ttft_s.append(t_first)
             res.latency_s.append(time.monotonic() - t0)
+            if n > 1 and t_first is not None:
+                res.tpot_s.append((res.latency_s[-1] - t_first) / (n - 1))
             if budget_s is not None and res.latency_s[-1] > budget_s:
                 break
         res.elapsed_s = time.monotonic() - t0

@@ -69,7 +69,7 @@ def hf_nll(hf_model, ids: list[int], window: int) -> tuple[float, int]:
 
 
 def compare(model_path: str | None, tokens: int, window: int, chunk: int, dtype: str = "float32",
-            backend_name: str = "auto") -> dict:
+            backend_name: str = "auto", quantization: str = "auto") -> dict:
     """Perplexity of the paged path and of HF transformers on the same weights and text."""
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +82,7 @@ def compare(model_path: str | None, tokens: int, window: int, chunk: int, dtype:
     ckpt = load_checkpoint(model_path)
     dt = resolve_dtype(dtype)
     cfg = ckpt.config
-    model = LlamaForCausalLM.from_checkpoint(ckpt, dt)
+    model = LlamaForCausalLM.from_checkpoint(ckpt, dt, quantization)
     if backend_name == "auto":
         backend_name = default_backend()
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-window // 16), 16, dtype=dt)
@@ -96,17 +96,20 @@ def compare(model_path: str | None, tokens: int, window: int, chunk: int, dtype:
     t_hf = time.monotonic() - t0
     ppl_ours, ppl_hf = math.exp(ours[0] / ours[1]), math.exp(ref[0] / ref[1])
     return {"tokens": len(ids), "scored": ours[1], "window": window, "chunk": chunk, "backend": backend_name,
-            "dtype": str(dt), "ppl_paged": ppl_ours, "ppl_hf": ppl_hf, "rel_diff": abs(ppl_ours / ppl_hf - 1),
+            "dtype": str(dt), "quantization": model.quantization, "ppl_paged": ppl_ours, "ppl_hf": ppl_hf,
+            "rel_diff": abs(ppl_ours / ppl_hf - 1),
             "seconds_paged": t_ours, "seconds_hf": t_hf}
 
 
 def run(args) -> Report:
     tokens, window, chunk = (2048, 512, 128) if args.quick else (args.tokens, args.window, args.chunk)
     dtype = "float32" if args.dtype == "auto" else args.dtype
-    r = compare(None, tokens, window, chunk, dtype, getattr(args, "backend", "auto"))
+    r = compare(None, tokens, window, chunk, dtype, getattr(args, "backend", "auto"),
+                args.engine_args.get("quantization", "auto"))  # --engine quantization=gguf-a8: what it costs
     rep = Report("perplexity", "Perplexity: paged path (chunked prefill through the cache) vs HF transformers",
                  [f"SmolLM2-135M-Instruct, first {r['tokens']} tokens of the Wikipedia summaries, windows of "
-                  f"{window}, chunks of {chunk}, backend {r['backend']}, {r['dtype']}"])
+                  f"{window}, chunks of {chunk}, backend {r['backend']}, {r['dtype']}, weights "
+                  f"{r['quantization']}"])
     rep.tables.append(Table(["system", "perplexity", "seconds"],
                             [["pagedllm (paged)", r["ppl_paged"], r["seconds_paged"]],
                              ["HF transformers", r["ppl_hf"], r["seconds_hf"]]], digits=4))

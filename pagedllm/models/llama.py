@@ -9,6 +9,7 @@ tables. q/k/v are one fused matmul and gate/up another.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -101,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = cfg.head_dim**-0.5
-        self.quantization = "none"  # "gguf" once use_gguf_blocks swapped the matrices in
+        self.quantization = "none"  # "gguf" / "gguf-a8" once use_gguf_blocks swapped the matrices in
 
     # ------------------------------------------------------------------ weights
     @classmethod
@@ -115,25 +116,30 @@ class LlamaForCausalLM(nn.Module):
         if quantization == "auto":
             usable = ckpt.blocks_path is not None and model.act_dtype == torch.float32 and kernel_available()
             quantization = "gguf" if usable else "none"
-        if quantization == "gguf":
+        if quantization in ("gguf", "gguf-a8"):
             if ckpt.blocks_path is None:
-                raise ValueError("quantization='gguf' needs a GGUF checkpoint with Q4_1/Q8_0 matrices; this model "
-                                 "has none")
+                raise ValueError(f"quantization={quantization!r} needs a GGUF checkpoint with Q4_1/Q8_0 matrices; "
+                                 "this model has none")
             if model.act_dtype != torch.float32:
-                raise ValueError("quantization='gguf' computes in float32: use dtype float32 (or bfloat16 on a CPU "
-                                 "without native bf16)")
-            model.use_gguf_blocks(load_blocks(ckpt.blocks_path))
+                raise ValueError(f"quantization={quantization!r} computes in float32: use dtype float32 (or bfloat16 "
+                                 "on a CPU without native bf16)")
+            a8 = quantization == "gguf-a8"
+            if a8 and not kernel_available(int8_activations=True):
+                raise ValueError("quantization='gguf-a8' needs its C++ kernel (g++ with OpenMP, an AVX2 CPU); "
+                                 "use quantization='gguf'")
+            model.use_gguf_blocks(load_blocks(ckpt.blocks_path), int8_activations=a8)
         return model
 
-    def use_gguf_blocks(self, blocks: Mapping[str, QuantizedWeight]) -> None:
+    def use_gguf_blocks(self, blocks: Mapping[str, QuantizedWeight], int8_activations: bool = False) -> None:
         """Swap each matrix whose HF parts are all in ``blocks`` (one block format) for its block form,
-        freeing the dense copy. Biases and norms stay dense."""
+        freeing the dense copy. Biases and norms stay dense. ``int8_activations``: the matrices multiply
+        int8-rounded activations (``quantization="gguf-a8"``; embedding lookups stay exact)."""
 
         def swap(module: nn.Module, attr: str, *names: str) -> int:
             parts = [blocks.get(n) for n in names]
             if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
                 return 0
-            fused = parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
+            fused = replace(parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts), int8_activations=int8_activations)
             if fused.shape != tuple(getattr(module, attr).shape):
                 raise ValueError(f"GGUF blocks {fused.shape} do not match {attr} {tuple(getattr(module, attr).shape)}")
             delattr(module, attr)
@@ -153,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
             n += swap(layer, "gate_up_weight", m + "gate_proj.weight", m + "up_proj.weight")
             n += swap(layer, "down_weight", m + "down_proj.weight")
         if n:
-            self.quantization = "gguf"
+            self.quantization = "gguf-a8" if int8_activations else "gguf"
 
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight`` ...),

@@ -61,6 +61,9 @@ def run_bench(name: str, outdir: Path, capsys) -> dict:
 
 
 def test_throughput(outdir, capsys):
+    from pagedllm.bench.throughput import A8_NAME
+    from pagedllm.models.quant import kernel_available
+
     d = run_bench("throughput", outdir, capsys)
     r = d["result"]
     systems = [x["system"] for x in r["runs"]]
@@ -74,7 +77,12 @@ def test_throughput(outdir, capsys):
     for run in r["runs"]:
         assert run["output_tokens"] > 0 and run["elapsed_s"] > 0
     assert all(v is None or v > 0 for v in r["speedup"].values())
-    assert r["decode_b1_tok_s"]["pagedllm"] > 0
+    b1 = r["decode_b1_tok_s"]
+    assert b1["pagedllm"] > 0
+    if kernel_available(int8_activations=True):  # the same engine with int8 activations (llama.cpp's arithmetic)
+        assert b1[A8_NAME] > 0
+    if any("llama.cpp" in s for s in systems):
+        assert b1["llama_cpp"] > 0
     # the skipped baselines appear in the table with their note
     rows = d["tables"][0]["rows"]
     assert len(rows) == len(r["runs"]) + len(r["skipped"])

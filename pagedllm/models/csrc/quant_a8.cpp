@@ -1,0 +1,416 @@
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for W in GGUF Q4_1 / Q8_0 blocks, llama.cpp-style: the
+// activations are quantized per row and per 32-element block to int8 (d_x = amax / 127, q_x = round(x / d_x),
+// ties to even, plus the block's fp32 sum s_x) and the block dot products run in integer SIMD
+// (vpmaddubsw: 32 int8 MACs per instruction against 8 per fp32 FMA).
+//   Q4_1: sum_j w_j x_j ~ d_w d_x sum (q_w - 8) q_x + (m_w + 8 d_w) s_x     Q8_0: d_w d_x sum q_w q_x
+// (Q4_1 is llama.cpp's d_w d_x sum q_w q_x + m_w s_x with the nibbles centred: the block-sum part of the
+// x rounding error is taken exactly from s_x, which halves the error for typical blocks.)
+// APPROXIMATE: rounding x to 8 bits gives ~0.1-1% relative error per output (the weights are used
+// exactly), so results are not bit-identical to the fp32 path of skinny_linear.cpp; in exchange large
+// batches run several times faster than dequantize + fp32 GEMM, and decode streams the blocks at close
+// to memory bandwidth.
+//
+// Layout: each thread takes a contiguous range of groups of 8 rows of W and repacks them into a panel
+// (per 32-weight block: 32-byte vectors whose int32 lane r holds 4 consecutive weights of row r as
+// unsigned nibbles, then d and m of the 8 rows as fp32). An x row's 4 int8 values broadcast to all
+// lanes then give, per vpmaddubsw, partial dot products for 8 outputs at once; 8 of them (one block)
+// add up in int16 without overflow (8 * 2 * 15 * 127 = 30480), and one vpmaddwd + cvt + fma per block
+// and x row applies the scales, with no horizontal sums. Q8_0 weights are split into two nibble
+// planes (w + 128 = 16 hi + lo) so the same unsigned x signed products apply; the 128 * sum q_x offset
+// is subtracted in int32, so the block's integer dot product is exact. For many rows of x the panel
+// covers an L2-sized range of W rows, swept by L2-sized chunks of x rows; for few rows it is one
+// L1-resident group and W is streamed once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
+constexpr int64_t kQ4Bytes = 20, kQ8Bytes = 34;  // fp16 d, fp16 m, 16 nibble bytes | fp16 d, 32 int8
+// panel bytes per group of 8 rows and per block
+constexpr int64_t kPanelQ4 = 8 * 32 + 2 * 32;   // 8 nibble vectors, d, m
+constexpr int64_t kPanelQ8 = 16 * 32 + 32;      // 8 lo + 8 hi nibble vectors, d
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The quantized activations: q [M, K] int8, and per (row, block) d, the fp32 sum s, and sum q.
+struct QX {
+  int8_t* q;
+  float* d;
+  float* s;
+  int32_t* c;
+};
+
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* c) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float a = hmax(amax), db = a / 127.f;
+    d[b] = db;
+    s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    if (db == 0.f) {  // an all-zero block (or denormals): q = 0
+      std::memset(q + 32 * b, 0, 32);
+      c[b] = 0;
+      continue;
+    }
+    const __m256 dv = _mm256_set1_ps(db);
+    __m256i r[4];
+    __m256 qs = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 qf = _mm256_round_ps(_mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qs = _mm256_add_ps(qs, qf);
+      r[i] = _mm256_cvtps_epi32(qf);
+    }
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(p, perm));
+    c[b] = static_cast<int32_t>(hsum(qs));  // exact: small integers
+  }
+}
+
+inline __m128i loadu128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i loadu256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void storeu256(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline uint16_t ld16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline int32_t ld32(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// 8 fp16 values -> fp32 vector
+inline __m256 halves(const uint8_t* base, int64_t stride) {
+  const __m128i h = _mm_setr_epi16(ld16(base), ld16(base + stride), ld16(base + 2 * stride), ld16(base + 3 * stride),
+                                   ld16(base + 4 * stride), ld16(base + 5 * stride), ld16(base + 6 * stride),
+                                   ld16(base + 7 * stride));
+  return _mm256_cvtph_ps(h);
+}
+
+// The b-th slice of the next group (8 contiguous rows) into L1 while this one is packed: the hardware
+// prefetcher alone leaves the DRAM stream well under bandwidth at M = 1.
+inline void prefetch_part(const uint8_t* next, int64_t b, int64_t slice) {
+  if (!next) return;
+  for (int64_t o = b * slice; o < (b + 1) * slice; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
+
+// Repack 8 rows of Q4_1 blocks (row r at w + r * rb) into the panel, KB blocks.
+void pack_q4(const uint8_t* w, int64_t rb, int64_t KB, uint8_t* panel, const uint8_t* next) {
+  const __m256i lo = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* p = w + b * kQ4Bytes;
+    prefetch_part(next, b, 8 * kQ4Bytes);
+    uint8_t* o = panel + b * kPanelQ4;
+    __m256i a[4];
+    for (int r = 0; r < 4; ++r)
+      a[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(loadu128(p + r * rb + 4)), loadu128(p + (r + 4) * rb + 4), 1);
+    const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+    const __m256i c[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
+                          _mm256_unpackhi_epi64(t1, t3)};
+    for (int t = 0; t < 4; ++t) {  // lane r: bytes 4t..4t+3 of row r -> weights 4t.. (low) and 16 + 4t.. (high)
+      storeu256(o + 32 * t, _mm256_and_si256(c[t], lo));
+      storeu256(o + 32 * (t + 4), _mm256_and_si256(_mm256_srli_epi16(c[t], 4), lo));
+    }
+    const __m256 d = halves(p, rb);
+    _mm256_storeu_ps(reinterpret_cast<float*>(o + 256), d);
+    // m + 8 d: the kernel takes q - 8 (centred nibbles) against the quantized x, the 8 d s_x rest exactly
+    _mm256_storeu_ps(reinterpret_cast<float*>(o + 288), _mm256_fmadd_ps(d, _mm256_set1_ps(8.f), halves(p + 2, rb)));
+  }
+}
+
+// Repack 8 rows of Q8_0 blocks: w + 128 split into low and high nibble planes.
+void pack_q8(const uint8_t* w, int64_t rb, int64_t KB, uint8_t* panel, const uint8_t* next) {
+  const __m256i lo = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* p = w + b * kQ8Bytes;
+    prefetch_part(next, b, 8 * kQ8Bytes);
+    uint8_t* o = panel + b * kPanelQ8;
+    __m256i r[8];
+    for (int i = 0; i < 8; ++i) r[i] = loadu256(p + i * rb + 2);
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {  // rows h..h+3: u[h + j] lanes = group j | group j + 4
+      u[h + 0] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+      u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+      u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+      u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256i g[2] = {_mm256_permute2x128_si256(u[j], u[4 + j], 0x20),
+                            _mm256_permute2x128_si256(u[j], u[4 + j], 0x31)};
+      for (int e = 0; e < 2; ++e) {  // group j + 4e: weights 4 (j + 4e) .. + 3 of the 8 rows
+        const __m256i v = _mm256_xor_si256(g[e], flip);
+        storeu256(o + 32 * (j + 4 * e), _mm256_and_si256(v, lo));
+        storeu256(o + 256 + 32 * (j + 4 * e), _mm256_and_si256(_mm256_srli_epi16(v, 4), lo));
+      }
+    }
+    _mm256_storeu_ps(reinterpret_cast<float*>(o + 512), halves(p, rb));
+  }
+}
+
+// Pins an accumulator to a register at this point: without it GCC hoists all of a block's products ahead
+// of the adds and spills them (Q8_0: 3x slower).
+inline void pin(__m256i& v) { __asm__("" : "+x"(v)); }
+
+inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(ld32(reinterpret_cast<const uint8_t*>(p))); }
+
+inline void store_out(float* y, __m256 v, const float* bias, int nr) {
+  if (bias) {
+    if (nr == 8) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    else {
+      alignas(32) float bb[8] = {};
+      std::memcpy(bb, bias, nr * sizeof(float));
+      v = _mm256_add_ps(v, _mm256_load_ps(bb));
+    }
+  }
+  if (nr == 8) {
+    _mm256_storeu_ps(y, v);
+  } else {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, v);
+    std::memcpy(y, t, nr * sizeof(float));
+  }
+}
+
+// MR rows of x (starting at row m0) against one panel group (8 rows of W); y points at y[m0, n].
+template <int MR>
+void tile_q4(const QX& qx, int64_t m0, int64_t K, const uint8_t* panel, float* y, int64_t ldy, const float* bias,
+             int nr) {
+  const int64_t KB = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const int8_t* xq = qx.q + m0 * K;
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* P = panel + b * kPanelQ4;
+    const int8_t* xb = xq + 32 * b;
+    __m256i p[MR];
+    {
+      const __m256i wv = loadu256(P);
+      for (int i = 0; i < MR; ++i) p[i] = _mm256_maddubs_epi16(wv, bcast(xb + i * K));
+    }
+    for (int v = 1; v < 8; ++v) {
+      const __m256i wv = loadu256(P + 32 * v);
+      for (int i = 0; i < MR; ++i) {
+        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(wv, bcast(xb + i * K + 4 * v)));
+        pin(p[i]);
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(P + 256));
+    const __m256 mw = _mm256_loadu_ps(reinterpret_cast<const float*>(P + 288));
+    for (int i = 0; i < MR; ++i) {
+      const int64_t r = (m0 + i) * KB + b;
+      const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[r]));
+      const __m256i si = _mm256_sub_epi32(_mm256_madd_epi16(p[i], ones), _mm256_set1_epi32(8 * qx.c[r]));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[i]);
+      acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(qx.s[r]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) store_out(y + i * ldy, acc[i], bias, nr);
+}
+
+template <int MR>
+void tile_q8(const QX& qx, int64_t m0, int64_t K, const uint8_t* panel, float* y, int64_t ldy, const float* bias,
+             int nr) {
+  const int64_t KB = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const int8_t* xq = qx.q + m0 * K;
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* P = panel + b * kPanelQ8;
+    const int8_t* xb = xq + 32 * b;
+    __m256i pl[MR], ph[MR];
+    {
+      const __m256i wl = loadu256(P), wh = loadu256(P + 256);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv = bcast(xb + i * K);
+        pl[i] = _mm256_maddubs_epi16(wl, xv);
+        ph[i] = _mm256_maddubs_epi16(wh, xv);
+      }
+    }
+    for (int v = 1; v < 8; ++v) {
+      const __m256i wl = loadu256(P + 32 * v), wh = loadu256(P + 256 + 32 * v);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv = bcast(xb + i * K + 4 * v);
+        pl[i] = _mm256_add_epi16(pl[i], _mm256_maddubs_epi16(wl, xv));
+        ph[i] = _mm256_add_epi16(ph[i], _mm256_maddubs_epi16(wh, xv));
+        pin(pl[i]);
+        pin(ph[i]);
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(P + 512));
+    for (int i = 0; i < MR; ++i) {
+      const int64_t r = (m0 + i) * KB + b;
+      const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(pl[i], ones), _mm256_madd_epi16(ph[i], sixteen)),
+                                         _mm256_set1_epi32(128 * qx.c[r]));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[r])), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) store_out(y + i * ldy, acc[i], bias, nr);
+}
+
+template <int QT>
+struct Kern {
+  static constexpr int64_t kBlock = QT == kQ4_1 ? kQ4Bytes : kQ8Bytes;
+  static constexpr int64_t kPanel = QT == kQ4_1 ? kPanelQ4 : kPanelQ8;
+  static constexpr int MR = QT == kQ4_1 ? 4 : 3;
+  static void pack(const uint8_t* w, int64_t rb, int64_t KB, uint8_t* panel, const uint8_t* next) {
+    if constexpr (QT == kQ4_1) pack_q4(w, rb, KB, panel, next); else pack_q8(w, rb, KB, panel, next);
+  }
+  template <int R>
+  static void tile(const QX& qx, int64_t m0, int64_t K, const uint8_t* panel, float* y, int64_t ldy, const float* bias,
+                   int nr) {
+    if constexpr (QT == kQ4_1) tile_q4<R>(qx, m0, K, panel, y, ldy, bias, nr);
+    else tile_q8<R>(qx, m0, K, panel, y, ldy, bias, nr);
+  }
+  // rows [m0, m1) of x against one panel group
+  static void rows(const QX& qx, int64_t m0, int64_t m1, int64_t K, const uint8_t* panel, float* y, int64_t N,
+                   int64_t n, const float* bias, int nr) {
+    int64_t m = m0;
+    for (; m + MR <= m1; m += MR) tile<MR>(qx, m, K, panel, y + m * N + n, N, bias, nr);
+    switch (m1 - m) {
+      case 3: tile<3>(qx, m, K, panel, y + m * N + n, N, bias, nr); break;
+      case 2: tile<2>(qx, m, K, panel, y + m * N + n, N, bias, nr); break;
+      case 1: tile<1>(qx, m, K, panel, y + m * N + n, N, bias, nr); break;
+      default: break;
+    }
+  }
+};
+
+template <int QT>
+void gemm(const QX& qx, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K, int nthreads,
+          int tid) {
+  using Kn = Kern<QT>;
+  const int64_t KB = K / 32, rb = KB * Kn::kBlock, G = (N + 7) / 8;
+  const int64_t g0 = G * tid / nthreads, g1 = G * (tid + 1) / nthreads;
+  if (g0 >= g1) return;
+  const int64_t group_bytes = KB * Kn::kPanel;
+  // few rows of x: one L1-resident group at a time (W streamed once); many: an L2-sized range of groups,
+  // swept by chunks of x rows that stay in L2 too
+  const int64_t NC = M <= 16 ? 1 : std::max<int64_t>(1, (192 << 10) / group_bytes);
+  const int64_t MC = M <= 16 ? M : std::max<int64_t>(Kn::MR, ((128 << 10) / K) / Kn::MR * Kn::MR);
+  std::vector<uint8_t> panel(std::min(NC, g1 - g0) * group_bytes);
+  std::vector<uint8_t> tail;
+  for (int64_t gc = g0; gc < g1; gc += NC) {
+    const int64_t gn = std::min(NC, g1 - gc);
+    for (int64_t g = gc; g < gc + gn; ++g) {
+      const int64_t n = 8 * g;
+      const uint8_t* src = w + n * rb;
+      if (N - n < 8) {  // the last, partial group: zero-padded rows (d = m = 0)
+        tail.assign(8 * rb, 0);
+        std::memcpy(tail.data(), src, (N - n) * rb);
+        src = tail.data();
+      }
+      const uint8_t* next = g + 1 < g1 && N - (n + 8) >= 8 ? w + (n + 8) * rb : nullptr;
+      Kn::pack(src, rb, KB, panel.data() + (g - gc) * group_bytes, next);
+    }
+    for (int64_t mc = 0; mc < M; mc += MC) {
+      const int64_t me = std::min(M, mc + MC);
+      for (int64_t g = gc; g < gc + gn; ++g) {
+        const int64_t n = 8 * g;
+        const int nr = static_cast<int>(std::min<int64_t>(8, N - n));
+        Kn::rows(qx, mc, me, K, panel.data() + (g - gc) * group_bytes, y, N, n, bias ? bias + n : nullptr, nr);
+      }
+    }
+  }
+}
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32, got ", x.size(1));
+}
+
+}  // namespace
+
+// x: [M, K] float32 contiguous -> (q int8 [M, K], d float32 [M, K/32], s float32 [M, K/32]): the activation
+// quantization linear_a8 uses (d = amax / 127, q = round-half-to-even(x / d), s = the block's fp32 sum).
+std::vector<torch::Tensor> quantize_a8(torch::Tensor x) {
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
+  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = torch::empty({M, KB}, x.options());
+  auto s = torch::empty({M, KB}, x.options());
+  std::vector<int32_t> c(M * KB);
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads()) if (M * K >= (1 << 16))
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * KB, sp + m * KB, c.data() + m * KB);
+  return {q, d, s};
+}
+
+// x: [M, K] float32 contiguous; wq: [N, K / 32 * block bytes] uint8 rows of GGUF blocks of type qtype
+// (3 = Q4_1, 8 = Q8_0); bias: None or [N] float32. Returns float32 [M, N].
+torch::Tensor linear_a8(torch::Tensor x, torch::Tensor wq, int64_t qtype, c10::optional<torch::Tensor> bias) {
+  check_x(x);
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "qtype must be Q4_1 (3) or Q8_0 (8), got ", qtype);
+  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(),
+              "wq must be a contiguous uint8 [N, bytes] tensor");
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32, N = wq.size(0);
+  const int64_t block = qtype == kQ4_1 ? kQ4Bytes : kQ8Bytes;
+  TORCH_CHECK(wq.size(1) == KB * block, "wq rows must hold K / 32 = ", KB, " blocks of ", block, " bytes (",
+              KB * block, " bytes), got ", wq.size(1));
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous float32 [N] tensor");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return bp ? bias->unsqueeze(0).expand({M, N}).contiguous() : y.zero_();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = wq.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * KB), s(M * KB);
+  std::vector<int32_t> c(M * KB);
+  const QX qx{q.data(), d.data(), s.data(), c.data()};
+  const int64_t G = (N + 7) / 8;
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), G)));
+#pragma omp parallel num_threads(nthreads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qx.q + m * K, qx.d + m * KB, qx.s + m * KB, qx.c + m * KB);
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    if (qtype == kQ4_1)
+      gemm<kQ4_1>(qx, wp, bp, yp, M, N, K, nt, tid);
+    else
+      gemm<kQ8_0>(qx, wp, bp, yp, M, N, K, nt, tid);
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_a8", &linear_a8, "x @ W.T (+ bias), W in GGUF Q4_1/Q8_0 blocks, x quantized to int8 per 32-block "
+        "(approximate, llama.cpp-style integer dot products)",
+        pybind11::arg("x"), pybind11::arg("wq"), pybind11::arg("qtype"), pybind11::arg("bias") = pybind11::none());
+  m.def("quantize_a8", &quantize_a8, "x [M, K] -> (q int8 [M, K], d [M, K/32], s [M, K/32]) as linear_a8 quantizes it",
+        pybind11::arg("x"));
+}

@@ -1,0 +1,136 @@
+"""The approximate W4A8/W8A8 GEMM (``csrc/quant_a8.cpp``): activations quantized to int8 per 32-block,
+integer dot products against GGUF Q4_1/Q8_0 blocks. It must compute exactly its stated formula on the
+quantized values (checked against a float64 reference) and stay close to the true fp32 product."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from pagedllm import native
+
+SRC = Path(__file__).resolve().parents[2] / "pagedllm" / "models" / "csrc" / "quant_a8.cpp"
+kernel = native.try_load_extension("pagedllm_quant_a8", SRC)
+pytestmark = pytest.mark.skipif(kernel is None, reason="the AVX2 C++ kernel quant_a8.cpp could not be built here")
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+
+
+def make_weight(qtype, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random GGUF blocks (uint8 [n, k/32*bytes]) and gguf-py's dequantization of them."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    blocks = quantize(w, qtype)
+    return torch.from_numpy(blocks), torch.from_numpy(np.require(dequantize(blocks, qtype), np.float32, ["C", "W"]))
+
+
+def decode_blocks(data: torch.Tensor, qtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(q [N, KB, 32] integers, d [N, KB], m [N, KB] or None) read from the raw block bytes."""
+    raw = data.numpy()
+    n = raw.shape[0]
+    if qtype == Q4_1:
+        b = raw.reshape(n, -1, 20)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        qs = b[..., 4:20]
+        return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64), d, m
+    b = raw.reshape(n, -1, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    return b[..., 2:34].copy().view(np.int8).astype(np.float64), d, None
+
+
+def quantize_ref(x: torch.Tensor):
+    """The stated activation quantization in torch: d = amax / 127, q = round-half-even(x / d), s = sum."""
+    xb = x.view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.where(d[..., None] > 0, torch.round(xb / safe[..., None]), torch.zeros_like(xb))
+    return q.to(torch.int8).view_as(x), d, xb.double().sum(-1)
+
+
+def linear_ref(x: torch.Tensor, data: torch.Tensor, qtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64: per block d_w d_x sum(q_w q_x) (+ m_w s_x for Q4_1), on the kernel's own quantized x.
+    The Q4_1 kernel centres the nibbles (q_w - 8, m_w + 8 d_w), which adds 8 d_w (s_x - d_x sum q_x): the
+    quantization error of the block's sum, taken exactly from s_x (halves the error for typical blocks)."""
+    q, d, s = (t.double() for t in kernel.quantize_a8(x))
+    qw, dw, mw = (None if a is None else torch.from_numpy(a) for a in decode_blocks(data, qtype))
+    qx = q.view(x.shape[0], -1, 32)
+    dots = torch.einsum("mbk,nbk->mnb", qx, qw)  # exact integers
+    y = (dots * dw[None] * d[:, None]).sum(-1)
+    if qtype == Q4_1:
+        y = y + (mw[None] * s[:, None]).sum(-1)
+        y = y + (8 * dw[None] * (s - d * qx.sum(-1))[:, None]).sum(-1)
+    if bias is not None:
+        y = y + bias.double()
+    return y
+
+
+def test_quantize_a8_matches_torch_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1536, generator=g) * torch.rand(5, 1, generator=g) * 10
+    x[1, 32:64] = 0  # an all-zero block: d = 0, q = 0
+    q, d, s = kernel.quantize_a8(x)
+    assert q.dtype == torch.int8 and q.shape == (5, 1536) and d.shape == s.shape == (5, 48)
+    qr, dr, sr = quantize_ref(x)
+    assert torch.equal(d, dr)
+    assert torch.equal(q, qr)
+    torch.testing.assert_close(s.double(), sr, rtol=1e-6, atol=1e-5)
+    assert int(q.abs().max()) == 127 and torch.equal(d[1, 1], torch.tensor(0.0)) and not q[1, 32:64].any()
+
+
+def test_quantize_a8_rounds_ties_to_even():
+    x = torch.zeros(1, 32)
+    x[0, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])  # d = 1: x / d lands exactly on ties
+    q, d, _ = kernel.quantize_a8(x)
+    assert d.item() == 1.0
+    assert q[0, :6].tolist() == [127, 0, 2, 2, 0, -2]
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 2, 5, 64, 200])
+@pytest.mark.parametrize("n,k", [(7, 64), (13, 576), (96, 1536), (40, 32)])
+def test_linear_a8_computes_its_formula(qtype, m, n, k):
+    data, _ = make_weight(qtype, n, k, seed=n + k)
+    g = torch.Generator().manual_seed(m * 31 + n)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        y = kernel.linear_a8(x, data, int(qtype), bias)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        ref = linear_ref(x, data, qtype, bias)
+        err = (y.double() - ref).abs().max().item()
+        assert err <= 1e-5 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("qtype,bound", [(Q4_1, 1e-2), (Q8_0, 1e-2)], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (64, 576, 1536), (200, 136, 896)])
+def test_linear_a8_is_close_to_the_fp32_product(qtype, bound, m, n, k):
+    data, dense = make_weight(qtype, n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    y, ref = kernel.linear_a8(x, data, int(qtype), None), x @ dense.T
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert 1e-5 < rel < bound  # approximate, but only by the 8-bit activations
+
+
+def test_bad_inputs_raise():
+    data, _ = make_weight(Q4_1, 4, 64, seed=1)
+    x = torch.randn(2, 64)
+    kernel.linear_a8(x, data, 3, None)  # the valid call
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.linear_a8(x.double(), data, 3, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel.linear_a8(torch.randn(64, 2).T, data, 3, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.linear_a8(torch.randn(2, 48), data, 3, None)
+    with pytest.raises(RuntimeError, match="blocks"):
+        kernel.linear_a8(x, data, 8, None)  # Q4_1 bytes read as Q8_0: width mismatch
+    with pytest.raises(RuntimeError, match="blocks"):
+        kernel.linear_a8(torch.randn(2, 96), data, 3, None)
+    with pytest.raises(RuntimeError, match="qtype"):
+        kernel.linear_a8(x, data, 2, None)
+    with pytest.raises(RuntimeError, match="uint8"):
+        kernel.linear_a8(x, data.to(torch.int8), 3, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.linear_a8(x, data, 3, torch.randn(5))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.quantize_a8(torch.randn(2, 40))
