@@ -76,7 +76,7 @@ def run(args) -> Report:
     dt = resolve_dtype(args.dtype)
     ckpt = load_checkpoint(None)
     cfg = ckpt.config
-    model = LlamaForCausalLM.from_checkpoint(ckpt, dt)
+    model = LlamaForCausalLM.from_checkpoint(ckpt, dt, args.engine_args.get("quantization", "auto"))
     per_seq = -(-(context + steps + 2) // 16)
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, per_seq * max(sizes), 16, dtype=dt)
     result: dict = {"batch_sizes": sizes, "context": context, "steps": steps, "dtype": str(dt), "ms": {}}
@@ -93,7 +93,8 @@ def run(args) -> Report:
     if hf_ms:
         best = {b: min(v[i] for k, v in result["ms"].items() if k != "HF generate") for i, b in enumerate(sizes)}
         rows.append(["HF / best backend (x)"] + [hf_ms[i] / best[b] for i, b in enumerate(sizes)])
-    weights = "in their GGUF Q4_1/Q8_0 blocks" if model.quantization == "gguf" else "dense"
+    weights = {"gguf": "in their GGUF Q4_1/Q8_0 blocks", "none": "dense",
+               "gguf-a8": "in their GGUF blocks times int8 activations (--engine quantization=gguf-a8)"}[model.quantization]
     rep = Report("decode", "Decode step time (ms) by batch size: paged backends vs HF generate",
                  [f"SmolLM2-135M, {dt}, weights {weights}, {context}-token context per sequence, median of {steps} "
                   f"steps, {torch.get_num_threads()} torch threads"])

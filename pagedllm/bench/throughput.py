@@ -35,6 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="HF padded batch size (default 16; quick 4)")
     p.add_argument("--baselines", default=",".join(ALL_BASELINES),
                    help=f"comma list of {', '.join(ALL_BASELINES)} (or 'none')")
+    p.add_argument("--a8", action="store_true",
+                   help="also run the workload on our engine with quantization=gguf-a8 (int8 activations, llama.cpp's "
+                        "arithmetic: faster, not bit-exact), right after our exact runs")
     p.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (default 128)")
     p.add_argument("--budget", type=float, default=40.0,
                    help="seconds per slow baseline: HF padded batches and sequential llama.cpp stop after the "
@@ -107,24 +110,35 @@ def run(args) -> Report:
     reqs = random_requests(llm.engine.tokenizer, w["num"], w["prompt_range"], w["output_range"], seed=args.seed)
     engine_warmup(llm)
 
+    a8_llm = None
+    if llm.engine.runner.model.quantization == "gguf" and kernel_available(int8_activations=True):
+        small = {} if args.a8 else {"num_blocks": 64}  # batch-1 only: a small pool
+        a8_llm = make_llm(args.dtype, seed=args.seed, **{**args.engine_args, "quantization": "gguf-a8", **small})
+        engine_warmup(a8_llm)
+
+    def run_a8() -> None:
+        if args.a8 and a8_llm is not None:
+            a8_llm.reset_prefix_cache()
+            results.append(run_engine(a8_llm, reqs, system=A8_NAME, desc=A8_NAME))
+
     # vLLM, the peer to beat, runs right after our engine and ours runs again right after it: the VM's speed
     # drifts by up to 2x within minutes, so its ratio is taken against both neighbouring runs
     chosen.sort(key=lambda b: b != "vllm")
     llm.reset_prefix_cache()  # a cold start for W1 (a reused engine may have seen these prompts)
     results = [run_engine(llm, reqs, desc="pagedllm")]
+    if "vllm" not in chosen:
+        run_a8()
     for i, b in enumerate(chosen):
         # a bench cut short (time limit, Ctrl-C, a crashing baseline) leaves what it measured on disk
         emit(_report(args, w, is_w1, bs, budget, llm, reqs, results, None, chosen[i:]), args.out, plot,
              str(dtype), quiet=True)
         results.append(_run_baseline(b, reqs, dtype, bs, llm, budget))
-        if b == "vllm" and not isinstance(results[-1], bl.Skipped):
-            llm.reset_prefix_cache()  # the same prompts again: computed, not found in the cache
-            results.append(run_engine(llm, reqs, system=AGAIN, desc=AGAIN))
+        if b == "vllm":
+            if not isinstance(results[-1], bl.Skipped):
+                llm.reset_prefix_cache()  # the same prompts again: computed, not found in the cache
+                results.append(run_engine(llm, reqs, system=AGAIN, desc=AGAIN))
+            run_a8()
     dec_tokens = args.decode_tokens or (16 if args.quick else 128)
-    a8_llm = None
-    if llm.engine.runner.model.quantization == "gguf" and kernel_available(int8_activations=True):
-        a8_llm = make_llm(args.dtype, seed=args.seed, **{**args.engine_args, "quantization": "gguf-a8", "num_blocks": 64})
-        engine_warmup(a8_llm)
     b1 = decode_b1(llm, dtype, dec_tokens, hf="hf-dynamic" in chosen, seed=args.seed, a8_llm=a8_llm)
     lcpp = next((r for r in results if not isinstance(r, bl.Skipped) and r.system == bl.LLAMA_CPP_NAME), None)
     if lcpp is not None and lcpp.tpot_s:
@@ -140,11 +154,16 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
     skipped = [r for r in results if isinstance(r, bl.Skipped)]
     rows, speedup = [], {}
     again = next((r for r in ran if r.system == AGAIN), None)
+    vllm = next((r for r in ran if r.system == bl.VLLM_NAME), None)
     for r in ran:
         note, ours_tok_s = "", ours.output_tok_s
-        if r.system == AGAIN:
-            rows.append([r.system, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.elapsed_s, None,
-                         "our engine again, right after vLLM (the VM's drift between runs)"])
+        if r.system in (AGAIN, A8_NAME):
+            note = "our engine again, right after vLLM (the VM's drift between runs)"
+            if r.system == A8_NAME:
+                note = (f"our engine with int8 activations (llama.cpp's arithmetic, not bit-exact): "
+                        f"{ratio(r.output_tok_s, ours.output_tok_s):.2f}x our exact first run"
+                        + (f", {ratio(r.output_tok_s, vllm.output_tok_s):.2f}x vLLM" if vllm else ""))
+            rows.append([r.system, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.elapsed_s, None, note])
             continue
         if again is not None and r.system == bl.VLLM_NAME:
             ours_tok_s = (ours.output_tok_s + again.output_tok_s) / 2

@@ -124,6 +124,23 @@ def test_throughput_runs_vllm_between_two_runs_of_ours(tmp_path, capsys, monkeyp
     assert runs[AGAIN]["extra"]["prompt_tokens_cached"] == runs["pagedllm"]["extra"]["prompt_tokens_cached"]
 
 
+def test_throughput_a8_runs_the_workload_on_int8_activations_too(tmp_path, capsys):
+    from pagedllm.bench.cli import main
+    from pagedllm.bench.throughput import A8_NAME
+    from pagedllm.models.quant import kernel_available
+
+    if not kernel_available(int8_activations=True):
+        pytest.skip("the int8 (AVX2) kernel could not be built on this machine")
+    main(["throughput", "--quick", "--out", str(tmp_path), *TINY["throughput"], "--baselines", "none", "--a8"])
+    capsys.readouterr()
+    d = json.loads((tmp_path / "throughput.json").read_text())
+    runs = d["result"]["runs"]
+    assert [x["system"] for x in runs] == ["pagedllm", A8_NAME]
+    assert runs[1]["output_tokens"] == runs[0]["output_tokens"] > 0  # the same workload, every token
+    assert A8_NAME not in d["result"]["speedup"]
+    assert "int8 activations" in d["tables"][0]["rows"][1][-1]
+
+
 def test_padded_baseline_time_budget_stops_after_a_batch():
     import torch
 
