@@ -18,15 +18,14 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     fi
 fi
 python3 -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-# Convert the embedded GGUF once (cached as safetensors) and build the C++ kernels (paged attention,
-# small-batch linear), so that the engine starts in seconds afterwards.
+# Convert the embedded GGUF once (cached as safetensors) and build every C++ kernel (paged attention,
+# small-batch linear, fused ops, int8 GEMM), so that the engine starts in seconds afterwards.
 python3 -c "
 from pagedllm.models.loader import load_checkpoint
 load_checkpoint(None)
 import shutil
 if shutil.which('c++') or shutil.which('g++'):
-    from pagedllm.attention.cpu import load_extension
-    from pagedllm.models.layers import _skinny_kernel
-    load_extension()
-    _skinny_kernel()
+    from pagedllm.native import build_all
+    for name, status in build_all().items():
+        print(f'kernel {name}: {status}')
 "
