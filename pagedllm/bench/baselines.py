@@ -71,14 +71,30 @@ def left_pad(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
+def stop_at(deadline: float):
+    """A ``generate`` stopping criterion that ends every row once ``time.monotonic()`` passes ``deadline``."""
+    from transformers import StoppingCriteria
+
+    class _StopAt(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), time.monotonic() >= deadline, dtype=torch.bool)
+
+    return _StopAt()
+
+
 @torch.inference_mode()
 def hf_generate(model, tok, prompts: list[list[int]], max_new_tokens: int, cache: str = "dynamic",
-                min_new_tokens: int | None = None, eos: bool = False) -> torch.Tensor:
-    """One padded batch through ``model.generate`` (greedy). Returns the generated ids [B, new]."""
+                min_new_tokens: int | None = None, eos: bool = False, deadline: float | None = None) -> torch.Tensor:
+    """One padded batch through ``model.generate`` (greedy). Returns the generated ids [B, new]; with
+    ``deadline`` (a ``time.monotonic()`` value) it stops every row at the first step past it."""
+    from transformers import StoppingCriteriaList
+
     ids, mask = left_pad(prompts, pad_id(tok))
     kw = {}
     if cache == "static":
         kw["cache_implementation"] = "static"
+    if deadline is not None:
+        kw["stopping_criteria"] = StoppingCriteriaList([stop_at(deadline)])
     if not eos:
         kw["min_new_tokens"] = max_new_tokens if min_new_tokens is None else min_new_tokens
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
@@ -90,38 +106,46 @@ def hf_padded(reqs: list[BenchRequest], dtype: torch.dtype, batch_size: int = 16
               progress: bool = True, measure_memory: bool = False, budget_s: float | None = None) -> RunResult:
     """Arrival-order batches of ``batch_size``; a batch starts when the previous one is done.
 
-    With ``budget_s`` it stops after the batch that passes that many seconds and reports the batches
-    it completed (their requests and tokens over their time), so slow baselines fit a time limit.
+    With ``budget_s`` it stops at the first decode step past that many seconds, mid-batch (one W1 batch
+    of 16 takes 2-3 minutes here), and counts the useful tokens made by then: each row's tokens up to
+    what its request asked for. Requests count as finished when they got all theirs.
     """
     model, tok = hf_model(dtype)
     hf_generate(model, tok, [reqs[0].prompt_ids[:8]], 2, cache=cache)  # warm-up
     name = f"HF generate, {'StaticCache' if cache == 'static' else 'DynamicCache'}, padded batches of {batch_size}"
     res = RunResult(name, 0.0, len(reqs), sum(r.prompt_len for r in reqs), 0)
     batches = [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
-    computed = completed = 0
+    computed = completed = prefilled = 0
     mem = PeakRSS() if measure_memory else None
     if mem:
         mem.__enter__()
     t0 = time.monotonic()
+    deadline = None if budget_s is None else t0 + budget_s
     for b in tqdm(batches, desc=name[:40], unit="batch", disable=not progress, leave=False, dynamic_ncols=True):
         new = max(r.max_tokens for r in b)
-        gen = hf_generate(model, tok, [r.prompt_ids for r in b], new, cache=cache)
+        gen = hf_generate(model, tok, [r.prompt_ids for r in b], new, cache=cache, deadline=deadline)
         done = time.monotonic() - t0
         computed += gen.numel()
-        completed += 1
+        steps = gen.shape[1]
+        completed += steps == new
         for r in b:
-            res.output_tokens += r.max_tokens  # only what the request asked for is useful output
-            res.output_lens.append(r.max_tokens)
-            res.latency_s.append(done)
-        if budget_s is not None and done > budget_s:
+            res.output_tokens += min(r.max_tokens, steps)  # only what the request asked for is useful output
+            if r.max_tokens <= steps:
+                res.output_lens.append(r.max_tokens)
+                res.latency_s.append(done)
+        prefilled += sum(r.prompt_len for r in b)
+        if steps < new:
+            res.extra["cut_at_s"] = done
             break
+        if deadline is not None and time.monotonic() >= deadline:
+            break  # the budget ran out right at a batch boundary
     res.elapsed_s = time.monotonic() - t0
     if mem:
         mem.__exit__(None, None, None)
         res.peak_mb = mem.peak_mb
-    res.keep_completed(reqs)
-    res.extra = {"generated_incl_padding": computed, "batch_size": batch_size, "cache": cache,
-                 "completed_batches": completed, "num_batches": len(batches)}
+    res.num_requests, res.prompt_tokens = len(res.output_lens), prefilled  # every started batch was prefilled
+    res.extra.update({"generated_incl_padding": computed, "batch_size": batch_size, "cache": cache,
+                      "completed_batches": completed, "num_batches": len(batches)})
     return res
 
 

@@ -105,7 +105,7 @@ def test_throughput_leaves_partial_results_when_cut_short(tmp_path, capsys, monk
 
 
 def test_throughput_runs_vllm_between_two_runs_of_ours(tmp_path, capsys, monkeypatch):
-    """vLLM goes first among the baselines, our engine runs again right after it, and vLLM's speedup is
+    """vLLM goes first among the baselines, our engine runs again right after it, and every speedup is
     against the mean of those two runs (a stand-in result here: vLLM itself is an optional install)."""
     from pagedllm.bench import baselines
     from pagedllm.bench.cli import main
@@ -120,6 +120,8 @@ def test_throughput_runs_vllm_between_two_runs_of_ours(tmp_path, capsys, monkeyp
     assert [x["system"] for x in r["runs"]][:3] == ["pagedllm", baselines.VLLM_NAME, AGAIN]
     mean = (runs["pagedllm"]["output_tok_s"] + runs[AGAIN]["output_tok_s"]) / 2
     assert r["speedup"][baselines.VLLM_NAME] == pytest.approx(mean / 4.0)
+    hf = runs["HF generate, DynamicCache, padded batches of 2"]
+    assert r["speedup"][hf["system"]] == pytest.approx(mean / hf["output_tok_s"])  # the other baselines too
     assert AGAIN not in r["speedup"] or r["speedup"][AGAIN] is None
     assert runs[AGAIN]["extra"]["prompt_tokens_cached"] == runs["pagedllm"]["extra"]["prompt_tokens_cached"]
 
@@ -141,16 +143,21 @@ def test_throughput_a8_runs_the_workload_on_int8_activations_too(tmp_path, capsy
     assert "int8 activations" in d["tables"][0]["rows"][1][-1]
 
 
-def test_padded_baseline_time_budget_stops_after_a_batch():
+def test_padded_baseline_time_budget_stops_mid_batch():
     import torch
 
     from pagedllm.bench.baselines import hf_padded
     from pagedllm.bench.workloads import BenchRequest
 
-    reqs = [BenchRequest([100 + i, 200, 300 + i], 2) for i in range(6)]
+    reqs = [BenchRequest([100 + i, 200, 300 + i], 3 + i % 2) for i in range(6)]
+    full = hf_padded(reqs, torch.float32, batch_size=2, progress=False)
+    assert (full.num_requests, full.output_tokens, full.prompt_tokens) == (6, 21, 18)
+    assert full.extra["completed_batches"] == 3 and "cut_at_s" not in full.extra
+    # budget 0: generate stops every row after its first step, the first batch's prompts were prefilled
     res = hf_padded(reqs, torch.float32, batch_size=2, progress=False, budget_s=0.0)
-    assert (res.num_requests, res.output_tokens, res.prompt_tokens) == (2, 4, 6)
-    assert res.extra["completed_batches"] == 1 and res.extra["num_batches"] == 3
+    assert (res.num_requests, res.output_tokens, res.prompt_tokens) == (0, 2, 6)
+    assert res.extra["completed_batches"] == 0 and res.extra["num_batches"] == 3
+    assert 0 < res.extra["cut_at_s"] <= res.elapsed_s
 
 
 def test_tokens_by_interpolates_a_run_timeline():
