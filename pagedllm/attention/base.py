@@ -10,7 +10,11 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
-    """Paged attention: writes the step's K/V into the pool, then attends through block tables."""
+    """Paged attention: writes the step's K/V into the pool, then attends through block tables.
+
+    A backend may also offer ``forward_qkv(qkv [T, (H + 2 Hkv) D], num_heads, k_cache, v_cache, meta, scale)
+    -> [T, H * D]``, the same from the fused projection's output in one call (models use it when present).
+    """
 
     name: str
 

@@ -72,6 +72,22 @@ class CpuBackend:
             self._sdpa_chunks(q, k_cache, v_cache, out, meta, scale, split)
         return out
 
+    def forward_qkv(self, qkv: torch.Tensor, num_heads: int, k_cache, v_cache, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        """Attention straight from the fused projection output ``qkv [T, (H + 2 Hkv) D]`` (rope applied):
+        one C++ call (write K/V, attend) returning ``[T, H * D]``; at batch 1 the views and separate calls
+        of :meth:`forward` cost as much as the attention. Long prefill chunks for SDPA take that path."""
+        if self.sdpa_prefill_min_len is not None or qkv.dim() != 2 or qkv.stride(1) != 1:
+            T, D = qkv.shape[0], k_cache.shape[2]
+            Hkv = k_cache.shape[0]
+            q = qkv[:, : num_heads * D].view(T, num_heads, D)
+            k = qkv[:, num_heads * D : (num_heads + Hkv) * D].view(T, Hkv, D)
+            v = qkv[:, (num_heads + Hkv) * D :].view(T, Hkv, D)
+            return self.forward(q, k, v, k_cache, v_cache, meta, scale).reshape(T, num_heads * D)
+        return load_extension().attend_qkv(qkv, num_heads, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                           meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
+                                           self.q_tile)
+
     def _sdpa_chunks(self, q, k_cache, v_cache, out, meta, scale, first) -> None:
         group = q.shape[1] // k_cache.shape[0]
         starts = meta.query_start_loc.tolist()

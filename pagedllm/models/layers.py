@@ -180,6 +180,18 @@ def rope_cos_sin(
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def apply_rope_heads_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first ``num_heads`` heads of each row of a fused projection output ``x [T, W]`` in place
+    (the q and k heads of qkv); one C++ op for fp32 on CPU, without building head views."""
+    if x.dim() == 2 and _fp32_cpu(x, cos, sin):
+        kernel = _fused_kernel()
+        if kernel is not None:
+            kernel.rope_(x, cos, sin, num_heads)
+            return
+    d = 2 * cos.shape[-1]
+    apply_rope_(x[:, : num_heads * d].view(x.shape[0], num_heads, d), cos, sin)
+
+
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate ``x [T, N, D]`` in place (Hugging Face's rotate-half layout) by per-token ``cos, sin [T, D/2]``.
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.layers import (LOGITS_SKINNY_MAX_ROWS, add_rms_norm_, apply_rope_, cpu_has_native_bf16, linear,
-                                    rms_norm, rope_cos_sin, silu_mul)
+from pagedllm.models.layers import (LOGITS_SKINNY_MAX_ROWS, add_rms_norm_, apply_rope_, apply_rope_heads_,
+                                    cpu_has_native_bf16, linear, rms_norm, rope_cos_sin, silu_mul)
 from pagedllm.models.quant import (QUANT_LOGITS_MAX_ROWS, QUANTIZATIONS, QuantizedWeight, kernel_available,
                                    load_blocks)
 
@@ -60,13 +60,18 @@ class LlamaDecoderLayer(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = add_rms_norm_(h, delta, self.input_norm, self.eps)
         qkv = linear(x, self.qkv_weight, self.qkv_bias, up)  # [T, (H + 2 Hkv) D]
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D)
-        v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
-        if self.qk_norm is not None:
-            qk = rms_norm(qk, self.qk_norm, self.eps)
-        apply_rope_(qk, cos, sin)
-        attn = backend.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, scale)  # [T, H, D]
-        o = linear(attn.reshape(T, H * D), self.o_weight, self.o_bias, up)
+        fused = getattr(backend, "forward_qkv", None)
+        if fused is not None and self.qk_norm is None:  # no head views: ~40 us less a layer at batch 1
+            apply_rope_heads_(qkv, H + Hkv, cos, sin)
+            attn = fused(qkv, H, k_cache, v_cache, meta, scale)  # [T, H * D]
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
+            if self.qk_norm is not None:
+                qk = rms_norm(qk, self.qk_norm, self.eps)
+            apply_rope_(qk, cos, sin)
+            attn = backend.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, scale).reshape(T, H * D)
+        o = linear(attn, self.o_weight, self.o_bias, up)
         x = add_rms_norm_(h, o, self.post_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, None, up)
         return linear(silu_mul(gate_up), self.down_weight, None, up)
@@ -228,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            delta = layer(h, delta, cos, sin, k_cache, v_cache, meta, backend, self.scale)
+            delta = layer.forward(h, delta, cos, sin, k_cache, v_cache, meta, backend, self.scale)  # no hook dispatch
         return add_rms_norm_(h, delta, self.norm, self.config.rms_norm_eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,30 @@ def test_cpu_write_kv_takes_qkv_views_and_checks_slots(cpu_backend, cache_dtype)
         load_extension().write_kv(k, v, *got, torch.tensor([7, 0, 32, 12, 3]))
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_forward_qkv_equals_forward_on_views(cpu_backend, case, cache_dtype):
+    """The one-call path from a fused qkv output writes the same pool rows and returns the same attention
+    as ``forward`` on the q/k/v views (bit for bit: the same kernel), shaped [T, H * D]."""
+    b = make_random_batch(*CASES[case], cache_dtype=cache_dtype, seed=5)
+    T, H, D = b.q.shape
+    qkv = torch.cat([b.q.reshape(T, -1), b.k.reshape(T, -1), b.v.reshape(T, -1)], 1)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    want = cpu_backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale).reshape(T, H * D)
+    kc2, vc2 = b.k_cache.clone(), b.v_cache.clone()
+    got = cpu_backend.forward_qkv(qkv, H, kc2, vc2, b.meta, b.scale)
+    assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    with pytest.raises(RuntimeError, match="columns"):
+        load_extension_().attend_qkv(qkv, H + 1, kc2, vc2, b.meta.slot_mapping, b.meta.block_tables,
+                                     b.meta.seq_lens, b.meta.query_start_loc, b.meta.block_size, b.scale, 16)
+
+
+def load_extension_():
+    from pagedllm.attention.cpu import load_extension
+
+    return load_extension()
+
+
 def test_cpu_shared_blocks(cpu_backend):
     """Two sequences reading the same physical prefix blocks (prefix cache / fork)."""
     b = make_random_batch([1, 1], [40, 40], block_size=16)

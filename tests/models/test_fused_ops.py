@@ -56,6 +56,22 @@ def test_rope_in_qkv_view(T: int) -> None:
     assert torch.equal(qkv[:, (H + Hkv) * D :], v)
 
 
+@pytest.mark.parametrize("T", ROWS)
+def test_rope_on_fused_rows(T: int) -> None:
+    """``apply_rope_heads_`` rotates the first H + Hkv heads of each qkv row like the 3-D form does on their
+    view (the same values bit for bit), leaving v alone."""
+    H, Hkv, D = 9, 3, 64
+    g = torch.Generator().manual_seed(T + 1)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    cos, sin = torch.randn(T, D // 2, generator=g), torch.randn(T, D // 2, generator=g)
+    want = qkv.clone()
+    apply_rope_(want[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)
+    layers.apply_rope_heads_(qkv, H + Hkv, cos, sin)
+    assert torch.equal(qkv, want)
+    with pytest.raises(RuntimeError, match="num_heads"):
+        layers._fused_kernel().rope_(qkv, cos, sin, H + 2 * Hkv + 1)
+
+
 def test_wrappers_fall_back_to_aten_for_bf16() -> None:
     T, E, N, D = 5, 64, 4, 16
     g = torch.Generator().manual_seed(0)

@@ -105,14 +105,21 @@ torch::Tensor add_rms_norm_(torch::Tensor h, c10::optional<torch::Tensor> delta,
 
 // Rotates x [T, N, D] in place (rotate-half layout: x1, x2 = halves of each head; x1*c - x2*s, x2*c + x1*s)
 // by cos, sin [T, D/2] (contiguous float32). x may be a row-strided view (the q and k heads of a fused
-// qkv output) but each row's heads must be contiguous.
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+// qkv output) but each row's heads must be contiguous. Or x is the fused output [T, W] itself and the first
+// num_heads heads of D = 2 cos.size(1) of each row are rotated (no views to build at batch 1).
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads) {
   check_f32_cpu(x, "x");
   check_f32_cpu(cos, "cos");
   check_f32_cpu(sin, "sin");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
-              "x must be [T, N, D] with contiguous rows of heads and even D");
-  const int64_t T = x.size(0), N = x.size(1), half = x.size(2) / 2, ld = x.stride(0);
+  if (x.dim() == 2) {
+    TORCH_CHECK(x.stride(1) == 1 && cos.dim() == 2 && num_heads >= 0 && num_heads * 2 * cos.size(1) <= x.size(1),
+                "x [T, W] needs contiguous rows holding num_heads heads of 2 cos.size(1) values");
+  } else {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+                "x must be [T, N, D] with contiguous rows of heads and even D");
+  }
+  const int64_t T = x.size(0), N = x.dim() == 2 ? num_heads : x.size(1), ld = x.stride(0);
+  const int64_t half = x.dim() == 2 ? cos.size(1) : x.size(2) / 2;
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == T &&
                   cos.size(1) == half && sin.sizes() == cos.sizes(),
               "cos and sin must be contiguous [T, D/2] tensors");
@@ -169,6 +176,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta (in place); returns rms_norm(h) * weight");
-  m.def("rope_", &rope_, "rotary embedding (rotate-half) in place on x [T, N, D]");
+  m.def("rope_", &rope_, "rotary embedding (rotate-half) in place on x [T, N, D], or on the first num_heads heads "
+        "of each row of x [T, W]", pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("num_heads") = -1);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output");
 }
