@@ -138,9 +138,11 @@ class LlamaForCausalLM(nn.Module):
     def use_gguf_blocks(self, blocks: Mapping[str, QuantizedWeight], int8_activations: bool = False) -> None:
         """Swap each matrix whose HF parts are all in ``blocks`` (one block format) for its block form,
         freeing the dense copy. Biases and norms stay dense. ``int8_activations``: the matrices multiply
-        int8-rounded activations (``quantization="gguf-a8"``; embedding lookups stay exact)."""
+        int8-rounded activations (``quantization="gguf-a8"``) and are packed once here into that kernel's
+        layout, which replaces the blocks; embedding lookups stay exact on the blocks (a tied LM head gets
+        its own packed copy)."""
 
-        def swap(module: nn.Module, attr: str, *names: str) -> int:
+        def swap(module: nn.Module, attr: str, *names: str, pack: bool = int8_activations) -> int:
             parts = [blocks.get(n) for n in names]
             if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
                 return 0
@@ -148,13 +150,13 @@ class LlamaForCausalLM(nn.Module):
             if fused.shape != tuple(getattr(module, attr).shape):
                 raise ValueError(f"GGUF blocks {fused.shape} do not match {attr} {tuple(getattr(module, attr).shape)}")
             delattr(module, attr)
-            setattr(module, attr, fused)
+            setattr(module, attr, fused.pack_a8() if pack else fused)
             return 1
 
-        n = swap(self, "embed", "model.embed_tokens.weight")
+        n = swap(self, "embed", "model.embed_tokens.weight", pack=False)
         if self.config.tie_word_embeddings and n:
             delattr(self, "lm_head")
-            self.lm_head = self.embed
+            self.lm_head = self.embed.pack_a8() if int8_activations else self.embed
         elif not self.config.tie_word_embeddings:
             n += swap(self, "lm_head", "lm_head.weight")
         for i, layer in enumerate(self.layers):

@@ -171,6 +171,8 @@ def test_gguf_a8_decode_steps_stay_close_to_the_exact_model(smol_pair):
     ckpt, _, exact = smol_pair
     a8 = LlamaForCausalLM.from_checkpoint(ckpt, quantization="gguf-a8")
     assert a8.quantization == "gguf-a8" and a8.layers[0].down_weight.int8_activations
+    # layer matrices and the (tied) LM head packed once at load; lookups read the embedding's blocks
+    assert a8.layers[0].down_weight.packed and a8.lm_head.packed and not a8.embed.packed
     cfg = ckpt.config
     runners = [ModelRunner(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16), get_backend("cpu"))
                for m in (exact, a8)]

@@ -134,3 +134,55 @@ def test_bad_inputs_raise():
         kernel.linear_a8(x, data, 3, torch.randn(5))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernel.quantize_a8(torch.randn(2, 40))
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(7, 64), (13, 576), (203, 576), (96, 1536), (40, 32), (1, 32)])
+def test_packed_gemm_equals_linear_a8_bit_for_bit(qtype, n, k):
+    """pack_a8 moves linear_a8's per-call repack to load time; the GEMM on it (direct tiles for few rows of x,
+    unpacked panels for many) must give the same bits, partial last group of 8 rows included."""
+    data, _ = make_weight(qtype, n, k, seed=3 * n + k)
+    packed = kernel.pack_a8(data, int(qtype))
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == ((n + 7) // 8, 8 * data.shape[1])  # 8 rows' bytes
+    g = torch.Generator().manual_seed(n * k)
+    b = torch.randn(n, generator=g)
+    for m in (1, 3, 17, 64, 300):
+        x = torch.randn(m, k, generator=g) * 3
+        for bias in (None, b):
+            y = kernel.linear_a8_packed(x, packed, int(qtype), n, bias)
+            assert y.shape == (m, n) and torch.equal(y, kernel.linear_a8(x, data, int(qtype), bias)), (m, bias is None)
+
+
+def test_packed_bad_inputs_raise():
+    data, _ = make_weight(Q4_1, 9, 64, seed=2)
+    packed, x = kernel.pack_a8(data, 3), torch.randn(2, 64)
+    kernel.linear_a8_packed(x, packed, 3, 9)  # the valid call
+    for n in (8, 17):  # the group count must match N
+        with pytest.raises(RuntimeError, match="pack_a8"):
+            kernel.linear_a8_packed(x, packed, 3, n)
+    with pytest.raises(RuntimeError, match="pack_a8"):
+        kernel.linear_a8_packed(torch.randn(2, 96), packed, 3, 9)  # another K
+    with pytest.raises(RuntimeError, match="pack_a8"):
+        kernel.linear_a8_packed(x, packed, 8, 9)  # Q4_1 layout read as Q8_0
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.linear_a8_packed(x, packed, 3, 9, torch.randn(8))
+    with pytest.raises(RuntimeError, match="whole"):
+        kernel.pack_a8(data[:, :30].contiguous(), 3)
+    with pytest.raises(RuntimeError, match="qtype"):
+        kernel.pack_a8(data, 2)
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=lambda q: q.name)
+def test_quantized_weight_pack_a8_routes_to_the_packed_gemm(qtype):
+    from pagedllm.models.quant import QuantizedWeight, quantized_linear
+
+    data, _ = make_weight(qtype, 21, 96, seed=5)
+    w = QuantizedWeight(data, int(qtype), (21, 96), int8_activations=True)
+    p = w.pack_a8()
+    assert p.packed and p.int8_activations and p.shape == w.shape and p.data.shape[0] == 3
+    x, b = torch.randn(4, 96), torch.randn(21)
+    assert torch.equal(quantized_linear(x, p, b, 0), quantized_linear(x, w, b, 0))
+    with pytest.raises(ValueError, match="packed"):
+        p.dequantize()
+    with pytest.raises(ValueError, match="before packing"):
+        QuantizedWeight.cat([p, p])
