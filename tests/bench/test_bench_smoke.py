@@ -152,12 +152,12 @@ def test_padded_baseline_time_budget_stops_mid_batch():
     reqs = [BenchRequest([100 + i, 200, 300 + i], 3 + i % 2) for i in range(6)]
     full = hf_padded(reqs, torch.float32, batch_size=2, progress=False)
     assert (full.num_requests, full.output_tokens, full.prompt_tokens) == (6, 21, 18)
-    assert full.extra["completed_batches"] == 3 and "cut_at_s" not in full.extra
+    assert full.extra["completed_batches"] == 3 and "stopped_mid_batch_at_s" not in full.extra
     # budget 0: generate stops every row after its first step, the first batch's prompts were prefilled
     res = hf_padded(reqs, torch.float32, batch_size=2, progress=False, budget_s=0.0)
     assert (res.num_requests, res.output_tokens, res.prompt_tokens) == (0, 2, 6)
     assert res.extra["completed_batches"] == 0 and res.extra["num_batches"] == 3
-    assert 0 < res.extra["cut_at_s"] <= res.elapsed_s
+    assert 0 < res.extra["stopped_mid_batch_at_s"] <= res.elapsed_s
 
 
 def test_tokens_by_interpolates_a_run_timeline():
