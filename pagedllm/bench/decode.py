@@ -2,7 +2,8 @@
 for every attention backend, side by side with HF ``generate`` (DynamicCache) on the same weights.
 
 Each sequence holds a ``--context``-token prompt; our time is one ModelRunner step (every sequence
-decodes one token, attention reading the paged pool); HF's is (generate(n+1) - generate(1)) / n.
+decodes one token, attention reading the paged pool); HF's is the time between consecutive forward passes
+inside one ``generate`` call. Both: the median over ``--steps`` steps after a warm-up step.
 """
 
 from __future__ import annotations
@@ -47,16 +48,26 @@ def _ours(model, kv_cache, backend, batch: int, context: int, steps: int) -> flo
 
 @torch.inference_mode()
 def _hf(hf, batch: int, context: int, steps: int) -> float:
+    """Median seconds per HF decode step, timed inside one ``generate`` call: a logits processor stamps the
+    time after every forward pass. (A difference of two whole generate calls went negative when the VM's
+    speed moved between them.)"""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.stamps.append(time.perf_counter())
+            return scores
+
     ids = torch.tensor([[(7 * i + j) % 1000 + 100 for j in range(context)] for i in range(batch)])
-
-    def gen(n: int) -> float:
-        t0 = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                    pad_token_id=0)
-        return time.perf_counter() - t0
-
-    gen(2)
-    return max(gen(steps + 1) - gen(1), 0.0) / steps
+    clock = Clock()
+    n = steps + 2  # the prefill's stamp, one warm-up step, then the timed steps (as ours)
+    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    gaps = sorted(b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:]))
+    return gaps[len(gaps) // 2]
 
 
 def run(args) -> Report:
