@@ -96,6 +96,12 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
   }
 }
 
+// Row m of x [M, K] into qx.
+inline void quantize_x_row(const float* x, int64_t m, int64_t K, const QX& qx) {
+  const int64_t KB = K / 32;
+  quantize_row(x + m * K, K, qx.q + m * K, qx.d + m * KB, qx.s + m * KB, qx.c + m * KB);
+}
+
 inline __m128i loadu128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m256i loadu256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline void storeu256(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
@@ -673,7 +679,7 @@ std::vector<torch::Tensor> quantize_a8(torch::Tensor x) {
   float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads()) if (M * K >= (1 << 16))
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * KB, sp + m * KB, c.data() + m * KB);
+  for (int64_t m = 0; m < M; ++m) quantize_x_row(xp, m, K, QX{qp, dp, sp, c.data()});
   return {q, d, s};
 }
 
@@ -713,7 +719,7 @@ torch::Tensor linear_a8(torch::Tensor x, torch::Tensor wq, int64_t qtype, c10::o
 #pragma omp parallel num_threads(nthreads)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qx.q + m * K, qx.d + m * KB, qx.s + m * KB, qx.c + m * KB);
+    for (int64_t m = 0; m < M; ++m) quantize_x_row(xp, m, K, qx);
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
     if (qtype == kQ4_1)
       gemm<kQ4_1>(qx, wp, bp, yp, M, N, K, nt, tid);
@@ -756,7 +762,7 @@ torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qt
                                c10::optional<torch::Tensor> bias) {
   check_x(x);
   check_qtype(qtype);
-  const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(N >= 0, "N must be >= 0");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(0) == (N + 7) / 8 && packed.size(1) == packed_row_bytes(qtype, K),
@@ -782,7 +788,7 @@ torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qt
   // few rows (decode): quantize here, saving the parallel region a barrier
   const bool serial_x = nthreads == 1 || M * K <= (1 << 14);
   if (serial_x)
-    for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qx.q + m * K, qx.d + m * KB, qx.s + m * KB, qx.c + m * KB);
+    for (int64_t m = 0; m < M; ++m) quantize_x_row(xp, m, K, qx);
   if (nthreads == 1) {
     run(1, 0);
   } else if (serial_x) {
@@ -792,8 +798,7 @@ torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qt
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m)
-        quantize_row(xp + m * K, K, qx.q + m * K, qx.d + m * KB, qx.s + m * KB, qx.c + m * KB);
+      for (int64_t m = 0; m < M; ++m) quantize_x_row(xp, m, K, qx);
       run(omp_get_num_threads(), omp_get_thread_num());
     }
   }
