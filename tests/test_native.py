@@ -26,7 +26,7 @@ def test_build_all_covers_every_kernel_the_package_loads():
     loaded = set()
     for py in PKG.rglob("*.py"):
         loaded |= set(re.findall(r'load_extension\(\s*"(pagedllm_\w+)"', py.read_text()))
-    assert {"pagedllm_paged_attention", "pagedllm_skinny_linear", "pagedllm_fused_ops", "pagedllm_quant_a8"} <= loaded
+    assert {"pagedllm_paged_attention", "pagedllm_gemm", "pagedllm_fused_ops", "pagedllm_quant_a8"} <= loaded
     sources = native.kernel_sources()
     assert loaded == set(sources), "every kernel callers load is a csrc/<name>.cpp that build_all builds"
     assert "build_all()" in (PKG.parent / "scripts" / "setup.sh").read_text()

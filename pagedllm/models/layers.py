@@ -30,57 +30,32 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# Largest row count sent to the streaming kernel. Interleaved A/B on the 2-core EPYC (SmolLM2 shapes):
-# for the layers' matrices it beats MKL and oneDNN up to 64 rows (M = 48: 4.6 vs 6.1 / 5.7 ms for one
-# layer's four GEMMs); for the 49152-row LM head oneDNN takes over from 24 rows (M = 48: 45 vs 54 ms).
-SKINNY_MAX_ROWS = 64
-LOGITS_SKINNY_MAX_ROWS = 24
-_SKINNY_SRC = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
+_GEMM_SRC = Path(__file__).with_name("csrc") / "gemm.cpp"
 
 
 @functools.cache
-def _skinny_kernel():
-    """The AVX2 streaming GEMM (None where it can't be built, e.g. without AVX2: ATen is used then)."""
-    return native.try_load_extension("pagedllm_skinny_linear", _SKINNY_SRC)
+def _gemm_kernel():
+    """The AVX2 fp32 GEMM (None where it can't be built, e.g. without AVX2: ATen is used then)."""
+    return native.try_load_extension("pagedllm_gemm", _GEMM_SRC)
 
 
-@functools.cache
-def _onednn_linear():
-    """oneDNN's fp32 linear (the op inductor's CPU backend emits), or None where torch lacks it. On the
-    EPYC it is 10-40% faster than ``F.linear``'s MKL sgemm from 128 rows up (prefill: 80 vs 96 ms per
-    1024-token layer) and for the LM head from 24 rows."""
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    if op is None:
-        return None
-    try:
-        op(torch.ones(2, 8), torch.ones(3, 8), None, "none", [None], "")
-    except RuntimeError:
-        return None
-    return op
-
-
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None, upcast: bool = False,
-           skinny_max_rows: int = SKINNY_MAX_ROWS) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None,
+           upcast: bool = False) -> torch.Tensor:
     """``F.linear`` over a flat batch ``x [T, K]``.
 
     With ``upcast`` the weight is low precision and the math runs in fp32 on fp32 activations: on
-    CPUs without native bf16 that is ~4x faster than a bf16 GEMM and more accurate. Few-row batches
-    (up to ``skinny_max_rows``: decode steps) of fp32 activations go to a C++ kernel that streams the
-    fp32 or bf16 weight once at close to memory bandwidth; ATen's GEMM reaches under half of it there.
-    Larger fp32 batches go to oneDNN where torch has it. GGUF block weights: see ``models/quant.py``.
+    CPUs without native bf16 that is ~4x faster than a bf16 GEMM and more accurate. fp32 activations
+    on the CPU go to the C++ kernel (``csrc/gemm.cpp``) at every batch size: it streams the weights
+    near memory bandwidth for decode steps and beats MKL and oneDNN by 10-40% on larger batches here
+    (2-core EPYC, AVX2). GGUF block weights: see ``models/quant.py``.
     """
     if isinstance(w, QuantizedWeight):
-        return quantized_linear(x, w, b, skinny_max_rows)
-    fp32_cpu = x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()
-    if (fp32_cpu and x.shape[0] <= skinny_max_rows and w.dtype in (torch.float32, torch.bfloat16)
-            and x.shape[1] % 8 == 0 and w.is_contiguous()):
-        kernel = _skinny_kernel()
+        return quantized_linear(x, w, b)
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()
+            and w.dtype in (torch.float32, torch.bfloat16) and x.shape[1] % 8 == 0 and w.is_contiguous()):
+        kernel = _gemm_kernel()
         if kernel is not None:
-            return kernel.skinny_linear(x, w, b)
-    if fp32_cpu and w.dtype == torch.float32 and (b is None or b.dtype == torch.float32):
-        onednn = _onednn_linear()
-        if onednn is not None:
-            return onednn(x, w, b, "none", [None], "")
+            return kernel.linear(x, w, b)
     if not upcast:
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)

@@ -17,10 +17,9 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.layers import (LOGITS_SKINNY_MAX_ROWS, add_rms_norm_, apply_rope_, apply_rope_heads_,
-                                    cpu_has_native_bf16, linear, rms_norm, rope_cos_sin, silu_mul)
-from pagedllm.models.quant import (QUANT_LOGITS_MAX_ROWS, QUANTIZATIONS, QuantizedWeight, kernel_available,
-                                   load_blocks)
+from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, cpu_has_native_bf16, linear,
+                                    rms_norm, rope_cos_sin, silu_mul)
+from pagedllm.models.quant import QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -247,6 +246,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` of (final-normed) hidden states ``[N, E]``."""
-        max_rows = QUANT_LOGITS_MAX_ROWS if isinstance(self.lm_head, QuantizedWeight) else LOGITS_SKINNY_MAX_ROWS
-        return linear(hidden.float() if self.upcast_matmuls else hidden, self.lm_head, None,
-                      self.upcast_matmuls, skinny_max_rows=max_rows).float()
+        return linear(hidden.float() if self.upcast_matmuls else hidden, self.lm_head, None, self.upcast_matmuls).float()

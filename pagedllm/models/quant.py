@@ -2,11 +2,10 @@
 
 The embedded SmolLM2 GGUF stores its layer matrices as Q4_1 (5 bits per weight) and its embedding
 as Q8_0 (8.5 bits): 96 MB instead of 540 MB of fp32. Decoding is a stream over the weights, so
-reading the blocks and widening them in the kernel (``csrc/skinny_linear.cpp``) instead of reading
+reading the blocks and widening them in the kernel (``csrc/gemm.cpp``) instead of reading
 fp32 makes the few-row GEMMs of decode steps faster. The kernel dequantizes to exactly the fp32
 values the loader's ``gguf.quants.dequantize`` produces and runs the fp32 path's register tiles on
-them, so outputs are bit-identical to the fp32 model for batches up to ``SKINNY_MAX_ROWS`` rows;
-larger batches (prefill) dequantize the matrix and run oneDNN's fp32 GEMM.
+them, so outputs are bit-identical to the fp32 model at every batch size.
 
 ``quantization="gguf-a8"`` trades that exactness for speed the way llama.cpp (and vLLM's GGUF kernels)
 do: activations are rounded to int8 per 32-value block and the dot products run on integer SIMD
@@ -32,9 +31,6 @@ QUANT_NAMES = {3: "Q4_1", 8: "Q8_0"}
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
 QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8")
-# The LM head (28M weights for SmolLM2) stays on the dequantizing kernel at every batch size: a dense
-# copy per call costs ~80 ms of page faults, more than the kernel's lower GEMM rate loses at 128 rows.
-QUANT_LOGITS_MAX_ROWS = 1 << 20
 
 
 @dataclass
@@ -127,32 +123,27 @@ def a8_kernel():
 
 def kernel_available(int8_activations: bool = False) -> bool:
     """Whether the block kernel (or, with ``int8_activations``, the int8 one) builds on this machine."""
-    from pagedllm.models.layers import _skinny_kernel
+    from pagedllm.models.layers import _gemm_kernel
 
-    return (a8_kernel() if int8_activations else _skinny_kernel()) is not None
+    return (a8_kernel() if int8_activations else _gemm_kernel()) is not None
 
 
 def kernel():
     """The compiled kernel; RuntimeError with the way out when it can't be built."""
-    from pagedllm.models.layers import _skinny_kernel
+    from pagedllm.models.layers import _gemm_kernel
 
-    k = _skinny_kernel()
+    k = _gemm_kernel()
     if k is None:
         raise RuntimeError("quantization='gguf' needs the C++ kernels (g++ with OpenMP and an AVX2 CPU); "
                            "use quantization='none'")
     return k
 
 
-def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None, max_rows: int) -> torch.Tensor:
-    """``x [T, K] @ w.T (+ b)`` in fp32: the dequantizing kernel up to ``max_rows`` rows, else oneDNN/ATen
-    on the dequantized matrix."""
-    from pagedllm.models.layers import linear
-
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None) -> torch.Tensor:
+    """``x [T, K] @ w.T (+ b)`` in fp32, dequantizing the blocks inside the kernel at every batch size."""
     x = x.float().contiguous()
     if w.int8_activations:
         if w.packed:
             return a8_kernel().linear_a8_packed(x, w.data, w.qtype, w.shape[0], b)
         return a8_kernel().linear_a8(x, w.data, w.qtype, b)
-    if x.shape[0] <= max_rows:
-        return kernel().quant_linear(x, w.data, w.qtype, b)
-    return linear(x, w.dequantize(), b, skinny_max_rows=0)
+    return kernel().quant_linear(x, w.data, w.qtype, b)

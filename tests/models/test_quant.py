@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 from pagedllm.models import layers
 from pagedllm.models.quant import QuantizedWeight, kernel_available
 
-kernel = layers._skinny_kernel()
+kernel = layers._gemm_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the AVX2 C++ kernel could not be built on this machine")
 needs_a8 = pytest.mark.skipif(not kernel_available(int8_activations=True),
                               reason="the int8 (AVX2) kernel could not be built on this machine")
@@ -38,21 +38,14 @@ def test_dequantize_matches_gguf_exactly(qtype, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("m", [1, 2, 5, 64])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 64, 200])  # the dot-product tiles below 16 rows, panels above
 @pytest.mark.parametrize("n,k", [(7, 64), (192, 576), (13, 1536)])
 def test_quant_linear_is_bit_identical_to_the_fp32_kernel(qtype, m, n, k):
-    """Same register tiles over an exactly dequantized panel: equal bits, with and without bias."""
+    """Same register tiles over exactly dequantized weights: equal bits, with and without bias."""
     qw, dense = make_weight(qtype, n, k, seed=m * 7 + n)
     g = torch.Generator().manual_seed(m + n + k)
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-    assert torch.equal(layers.linear(x, qw, b), kernel.skinny_linear(x, dense, b))
-    torch.testing.assert_close(layers.linear(x, qw), F.linear(x, dense), rtol=1e-5, atol=1e-4)
-
-
-@needs_kernel
-def test_large_batches_dequantize_and_match_f_linear():
-    qw, dense = make_weight(QTYPES[0], 48, 96, seed=3)
-    x = torch.randn(layers.SKINNY_MAX_ROWS + 5, 96)
+    assert torch.equal(layers.linear(x, qw, b), kernel.linear(x, dense, b))
     torch.testing.assert_close(layers.linear(x, qw), F.linear(x, dense), rtol=1e-5, atol=1e-4)
 
 
@@ -80,8 +73,8 @@ def smol_pair():
 @needs_kernel
 @pytest.mark.slow
 def test_smollm2_gguf_blocks_give_the_fp32_models_logits(smol_pair):
-    """Every matrix of the embedded model in its Q4_1/Q8_0 blocks; prefill (oneDNN on the dequantized
-    matrices) and decode steps (the block kernel) give bit-identical logits to the fp32 model."""
+    """Every matrix of the embedded model in its Q4_1/Q8_0 blocks; prefill and decode steps give
+    bit-identical logits to the fp32 model."""
     from pagedllm.attention import get_backend
     from pagedllm.kv import KVCache
     from pagedllm.model_runner import ModelRunner, SeqChunk

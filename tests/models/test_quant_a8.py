@@ -181,7 +181,7 @@ def test_quantized_weight_pack_a8_routes_to_the_packed_gemm(qtype):
     p = w.pack_a8()
     assert p.packed and p.int8_activations and p.shape == w.shape and p.data.shape[0] == 3
     x, b = torch.randn(4, 96), torch.randn(21)
-    assert torch.equal(quantized_linear(x, p, b, 0), quantized_linear(x, w, b, 0))
+    assert torch.equal(quantized_linear(x, p, b), quantized_linear(x, w, b))
     with pytest.raises(ValueError, match="packed"):
         p.dequantize()
     with pytest.raises(ValueError, match="before packing"):

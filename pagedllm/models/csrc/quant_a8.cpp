@@ -6,7 +6,7 @@
 // (Q4_1 is llama.cpp's d_w d_x sum q_w q_x + m_w s_x with the nibbles centred: the block-sum part of the
 // x rounding error is taken exactly from s_x, which halves the error for typical blocks.)
 // APPROXIMATE: rounding x to 8 bits gives ~0.1-1% relative error per output (the weights are used
-// exactly), so results are not bit-identical to the fp32 path of skinny_linear.cpp; in exchange large
+// exactly), so results are not bit-identical to the fp32 path of gemm.cpp; in exchange large
 // batches run several times faster than dequantize + fp32 GEMM, and decode streams the blocks at close
 // to memory bandwidth.
 //
