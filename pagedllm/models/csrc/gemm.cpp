@@ -104,7 +104,7 @@ inline void dequant_block(const B& b, float* out) {
 
 // One row of x against NR rows of blocks dequantized in registers: the same values and the same FMA order
 // as tile<float, 1, NR> on the dequantized rows (so the same bits), without the store to and reload from a
-// panel, which made the batch-1 GEMMs compute-bound at ~0.5 cycles per weight.
+// dequantization buffer, which made the batch-1 GEMMs compute-bound at ~0.5 cycles per weight.
 template <typename B, int NR>
 inline void block_tile(const float* x, int64_t K, const B* w, float* y, const float* bias) {
   const int64_t kb = K / 32;
@@ -137,6 +137,21 @@ inline void dequant_rows(const B* w, int64_t rows, int64_t K, float* out) {
 template <typename WT>
 constexpr bool kBlocks = std::is_same_v<WT, BlockQ4_1> || std::is_same_v<WT, BlockQ8_0>;
 
+// Whether one row of x reads these blocks in registers (block_tile); Q8_0 measured slower that way than
+// through the dequantization buffer (LM head at M = 1: 1.6-1.8 vs 1.5 ms).
+template <typename WT>
+constexpr bool kInRegisters = std::is_same_v<WT, BlockQ4_1>;
+
+// NR rows of blocks against one row of x, in registers (nr < NR at the end of W: one row at a time).
+template <typename B, int64_t NR>
+inline void block_row_block(const float* x, int64_t K, const B* w, int64_t nr, float* y, const float* bias) {
+  if (nr == NR) {
+    block_tile<B, NR>(x, K, w, y, bias);
+    return;
+  }
+  for (int64_t r = 0; r < nr; ++r) block_tile<B, 1>(x, K, w + r * (K / 32), y + r, bias ? bias + r : nullptr);
+}
+
 // NR weight rows starting at w (nr < NR at the end of W: one row at a time).
 template <typename WT, int64_t NR>
 inline void row_block(const float* x, int64_t M, int64_t K, const WT* w, int64_t nr, float* y, int64_t N,
@@ -149,29 +164,25 @@ inline void row_block(const float* x, int64_t M, int64_t K, const WT* w, int64_t
 }
 
 // Each thread takes a contiguous range of NR-row blocks of W. Block formats are dequantized in registers
-// for one row of x, else first into a per-thread fp32 panel (L1/L2-resident) that the same tiles then read.
+// for one row of x (Q4_1), else first into a per-thread fp32 buffer (L1/L2-resident) that the same tiles read.
 template <typename WT, int64_t NR>
 void run(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = (N + NR - 1) / NR;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks)));
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> panel(kBlocks<WT> ? NR * K : 0);
+    std::vector<float> deq(kBlocks<WT> ? NR * K : 0);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n = b * NR, nr = std::min<int64_t>(NR, N - n);
       const float* bn = bias ? bias + n : nullptr;
       if constexpr (kBlocks<WT>) {
         const WT* wn = w + n * (K / 32);
-        // Q8_0 in registers measured slower than through the panel (LM head at M = 1: 1.6-1.8 vs 1.5 ms)
-        constexpr bool direct = std::is_same_v<WT, BlockQ4_1>;
-        if (direct && M == 1 && nr == NR) {
-          block_tile<WT, NR>(x, K, wn, y + n, bn);
-        } else if (direct && M == 1) {
-          for (int64_t r = 0; r < nr; ++r) block_tile<WT, 1>(x, K, wn + r * (K / 32), y + n + r, bn ? bn + r : nullptr);
+        if (kInRegisters<WT> && M == 1) {
+          block_row_block<WT, NR>(x, K, wn, nr, y + n, bn);
         } else {
-          dequant_rows(wn, nr, K, panel.data());
-          row_block<float, NR>(x, M, K, panel.data(), nr, y + n, N, bn);
+          dequant_rows(wn, nr, K, deq.data());
+          row_block<float, NR>(x, M, K, deq.data(), nr, y + n, N, bn);
         }
       } else {
         row_block<WT, NR>(x, M, K, w + n * K, nr, y + n, N, bn);
