@@ -54,12 +54,6 @@ inline void tile(const float* x, int64_t K, const WT* w, float* y, int64_t ldy, 
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum(acc[i][j]) + (bias ? bias[j] : 0.f);
 }
 
-template <typename WT, int NR>
-inline void rows(const float* x, int64_t M, int64_t K, const WT* w, float* y, int64_t N, const float* bias) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) tile<WT, 2, NR>(x + m * K, K, w, y + m * N, N, bias);
-  if (m < M) tile<WT, 1, NR>(x + m * K, K, w, y + m * N, N, bias);
-}
 
 // GGUF blocks of 32 weights (ggml's layout; ids are ggml's type numbers).
 struct BlockQ4_1 {  // w = d * q + m; byte j holds q of weight j (low nibble) and of weight j + 16 (high)
@@ -104,29 +98,36 @@ inline void dequant_block(const B& b, float* out) {
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
 }
 
-// One row of x against NR rows of blocks dequantized in registers: the same values and the same FMA order
-// as tile<float, 1, NR> on the dequantized rows (so the same bits), without the store to and reload from a
-// dequantization buffer, which made the batch-1 GEMMs compute-bound at ~0.5 cycles per weight.
-template <typename B, int NR>
-inline void block_tile(const float* x, int64_t K, const B* w, float* y, const float* bias) {
+// MR rows of x against NR rows of blocks dequantized in registers: the same values and the same FMA order
+// as tile<float, MR, NR> on the dequantized rows (so the same bits), without the store to and reload from a
+// dequantization buffer, which made the few-row GEMMs compute-bound at ~0.5 cycles per weight.
+template <typename B, int MR, int NR>
+inline void block_tile(const float* x, int64_t K, const B* w, float* y, int64_t ldy, const float* bias) {
   const int64_t kb = K / 32;
-  __m256 acc[NR];
+  __m256 acc[MR][NR];
 #pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < kb; ++b) {
-    const float* xb = x + 32 * b;  // read per row (L1 hits, FMA memory operands): kept in registers, they spilled
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       __m256 v[4];
       block_vectors(w[j * kb + b], v);
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v[0], acc[j]);
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v[1], acc[j]);
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v[2], acc[j]);
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], acc[j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const float* xb = x + i * K + 32 * b;  // read per use (L1 hits, FMA memory operands): held, they spilled
+        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v[0], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v[1], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v[2], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], acc[i][j]);
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j) y[j] = hsum(acc[j]) + (bias ? bias[j] : 0.f);
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum(acc[i][j]) + (bias ? bias[j] : 0.f);
 }
 
 template <typename B>
@@ -138,19 +139,26 @@ inline void dequant_rows(const B* w, int64_t rows, int64_t K, float* out) {
 template <typename WT>
 constexpr bool kBlocks = std::is_same_v<WT, BlockQ4_1> || std::is_same_v<WT, BlockQ8_0>;
 
-// Whether one row of x reads these blocks in registers (block_tile); Q8_0 measured slower that way than
+// Whether few-row GEMMs read these blocks in registers (block_tile); Q8_0 measured slower that way than
 // through the dequantization buffer (LM head at M = 1: 1.6-1.8 vs 1.5 ms).
 template <typename WT>
 constexpr bool kInRegisters = std::is_same_v<WT, BlockQ4_1>;
 
-// NR rows of blocks against one row of x, in registers (nr < NR at the end of W: one row at a time).
-template <typename B, int64_t NR>
-inline void block_row_block(const float* x, int64_t K, const B* w, int64_t nr, float* y, const float* bias) {
-  if (nr == NR) {
-    block_tile<B, NR>(x, K, w, y, bias);
-    return;
-  }
-  for (int64_t r = 0; r < nr; ++r) block_tile<B, 1>(x, K, w + r * (K / 32), y + r, bias ? bias + r : nullptr);
+// Every row of x against NR rows of W (fp32 / bf16 rows, or blocks read in registers), two rows of x at a time
+// (four for blocks).
+template <typename WT, int NR>
+inline void rows(const float* x, int64_t M, int64_t K, const WT* w, float* y, int64_t N, const float* bias) {
+  auto tile2 = [&](auto mr, int64_t m) {
+    if constexpr (kBlocks<WT>)
+      block_tile<WT, decltype(mr)::value, NR>(x + m * K, K, w, y + m * N, N, bias);
+    else
+      tile<WT, decltype(mr)::value, NR>(x + m * K, K, w, y + m * N, N, bias);
+  };
+  int64_t m = 0;
+  if constexpr (kBlocks<WT>)  // the dequantization is shared by more rows of x (block tiles are 2 W rows wide)
+    for (; m + 4 <= M; m += 4) tile2(std::integral_constant<int, 4>{}, m);
+  for (; m + 2 <= M; m += 2) tile2(std::integral_constant<int, 2>{}, m);
+  if (m < M) tile2(std::integral_constant<int, 1>{}, m);
 }
 
 // NR weight rows starting at w (nr < NR at the end of W: one row at a time).
@@ -161,26 +169,27 @@ inline void row_block(const float* x, int64_t M, int64_t K, const WT* w, int64_t
     rows<WT, NR>(x, M, K, w, y, N, bias);
     return;
   }
-  for (int64_t r = 0; r < nr; ++r) rows<WT, 1>(x, M, K, w + r * K, y + r, N, bias ? bias + r : nullptr);
+  const int64_t row_elems = kBlocks<WT> ? K / 32 : K;  // W's row stride in WT units
+  for (int64_t r = 0; r < nr; ++r) rows<WT, 1>(x, M, K, w + r * row_elems, y + r, N, bias ? bias + r : nullptr);
 }
 
 // Each thread takes a contiguous range of NR-row blocks of W. Block formats are dequantized in registers
-// for one row of x (Q4_1), else first into a per-thread fp32 buffer (L1/L2-resident) that the same tiles read.
+// (Q4_1), else first into a per-thread fp32 buffer (L1/L2-resident) that the fp32 tiles read.
 template <typename WT, int64_t NR>
 void run(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = (N + NR - 1) / NR;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks)));
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> deq(kBlocks<WT> ? NR * K : 0);
+    std::vector<float> deq(kBlocks<WT> && !kInRegisters<WT> ? NR * K : 0);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n = b * NR, nr = std::min<int64_t>(NR, N - n);
       const float* bn = bias ? bias + n : nullptr;
       if constexpr (kBlocks<WT>) {
         const WT* wn = w + n * (K / 32);
-        if (kInRegisters<WT> && M == 1) {
-          block_row_block<WT, NR>(x, K, wn, nr, y + n, bn);
+        if constexpr (kInRegisters<WT>) {
+          row_block<WT, NR>(x, M, K, wn, nr, y + n, N, bn);
         } else {
           dequant_rows(wn, nr, K, deq.data());
           row_block<float, NR>(x, M, K, deq.data(), nr, y + n, N, bn);
@@ -310,15 +319,17 @@ void run_panels(const float* x, const WT* w, const float* bias, float* y, int64_
   }
 }
 
-// One row of x: 8 weight rows at a time (more loads in flight), but 4 for blocks dequantized in registers
-// (8 rows' accumulators and the dequantization spilled: 30% slower); a few rows: 4 (the 2x4 tile fits the
-// registers); from PANEL_MIN_ROWS rows on, the outer-product panels.
+// Rows of W per tile. fp32 / bf16 rows and the dequantization buffer: 8 for one row of x (more loads in flight),
+// else 4 (the 2x4 tile fits the registers). Blocks read in registers: 4 for one row of x, else 2 (4 x 2 tiles);
+// more spilled the accumulators (30% slower). From PANEL_MIN_ROWS rows on, the outer-product panels.
 template <typename WT>
 void dispatch(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (M >= PANEL_MIN_ROWS)
     run_panels<WT>(x, w, bias, y, M, N, K);
   else if (M == 1 && !kInRegisters<WT>)
     run<WT, 8>(x, w, bias, y, M, N, K);
+  else if (M > 1 && kInRegisters<WT>)
+    run<WT, 2>(x, w, bias, y, M, N, K);
   else
     run<WT, 4>(x, w, bias, y, M, N, K);
 }
