@@ -54,7 +54,6 @@ inline void tile(const float* x, int64_t K, const WT* w, float* y, int64_t ldy, 
     for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum(acc[i][j]) + (bias ? bias[j] : 0.f);
 }
 
-
 // GGUF blocks of 32 weights (ggml's layout; ids are ggml's type numbers).
 struct BlockQ4_1 {  // w = d * q + m; byte j holds q of weight j (low nibble) and of weight j + 16 (high)
   static constexpr int kType = 3;
@@ -144,21 +143,24 @@ constexpr bool kBlocks = std::is_same_v<WT, BlockQ4_1> || std::is_same_v<WT, Blo
 template <typename WT>
 constexpr bool kInRegisters = std::is_same_v<WT, BlockQ4_1>;
 
-// Every row of x against NR rows of W (fp32 / bf16 rows, or blocks read in registers), two rows of x at a time
-// (four for blocks).
+// The MR x NR tile for W's format: fp32 / bf16 rows, or blocks read in registers.
+template <typename WT, int MR, int NR>
+inline void any_tile(const float* x, int64_t K, const WT* w, float* y, int64_t ldy, const float* bias) {
+  if constexpr (kBlocks<WT>)
+    block_tile<WT, MR, NR>(x, K, w, y, ldy, bias);
+  else
+    tile<WT, MR, NR>(x, K, w, y, ldy, bias);
+}
+
+// Every row of x against NR rows of W, two rows of x at a time (four for blocks: each dequantized block then
+// serves more rows; block tiles are only 2 W rows wide there).
 template <typename WT, int NR>
 inline void rows(const float* x, int64_t M, int64_t K, const WT* w, float* y, int64_t N, const float* bias) {
-  auto tile2 = [&](auto mr, int64_t m) {
-    if constexpr (kBlocks<WT>)
-      block_tile<WT, decltype(mr)::value, NR>(x + m * K, K, w, y + m * N, N, bias);
-    else
-      tile<WT, decltype(mr)::value, NR>(x + m * K, K, w, y + m * N, N, bias);
-  };
   int64_t m = 0;
-  if constexpr (kBlocks<WT>)  // the dequantization is shared by more rows of x (block tiles are 2 W rows wide)
-    for (; m + 4 <= M; m += 4) tile2(std::integral_constant<int, 4>{}, m);
-  for (; m + 2 <= M; m += 2) tile2(std::integral_constant<int, 2>{}, m);
-  if (m < M) tile2(std::integral_constant<int, 1>{}, m);
+  if constexpr (kBlocks<WT>)
+    for (; m + 4 <= M; m += 4) any_tile<WT, 4, NR>(x + m * K, K, w, y + m * N, N, bias);
+  for (; m + 2 <= M; m += 2) any_tile<WT, 2, NR>(x + m * K, K, w, y + m * N, N, bias);
+  if (m < M) any_tile<WT, 1, NR>(x + m * K, K, w, y + m * N, N, bias);
 }
 
 // NR weight rows starting at w (nr < NR at the end of W: one row at a time).
