@@ -40,20 +40,22 @@ def _stream(eng, prompt: str | list[int], params) -> str:
     """
     from pagedllm.server.protocol import DeltaTracker
 
-    req = eng.add_request(prompt, params)
+    rid = eng.add_request(prompt, params)
     tracker = DeltaTracker(params.stop)
     try:
         while True:
-            eng.step()
-            out = eng.output(req).outputs[0]
-            delta = tracker.advance(out)
-            if delta is not None:
-                print(delta.text, end="", flush=True)
-            if req.finished:
-                print(flush=True)
-                return out.text
+            for res in eng.step():
+                if res.request_id != rid:
+                    continue
+                out = res.outputs[0]
+                delta = tracker.advance(out)
+                if delta is not None:
+                    print(delta.text, end="", flush=True)
+                if res.finished:
+                    print(flush=True)
+                    return out.text
     except KeyboardInterrupt:
-        eng.abort_request(req.request_id)
+        eng.abort_request(rid)
         print(flush=True)
         raise
 

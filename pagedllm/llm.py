@@ -67,21 +67,27 @@ class LLM:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
-    def _run(self, reqs, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
-        pending = {r.request_id for r in reqs}
-        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        pending = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         t0, gen0 = time.monotonic(), eng.stats.generation_tokens
         while pending:
-            for req in eng.step():
-                if req.finished and req.request_id in pending:
-                    pending.discard(req.request_id)
+            for out in eng.step():
+                if out.error is not None and out.request_id in pending:
+                    for rid in pending - {out.request_id}:
+                        eng.abort_request(rid)
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    final[out.request_id] = out
                     bar.update(1)
             elapsed = max(time.monotonic() - t0, 1e-9)
             bar.set_postfix(tok_s=f"{(eng.stats.generation_tokens - gen0) / elapsed:.1f}",
                             run=eng.scheduler.num_running_seqs(), wait=len(eng.scheduler.waiting), refresh=False)
         bar.close()
-        return [eng.output(r) for r in reqs]
+        return [final[r] for r in request_ids]
 
 
 def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:

@@ -1,5 +1,6 @@
-"""ModelRunner: turns one scheduler step (per-sequence chunks) into a flat batch, runs the model
-once, and returns float32 logits of the last token of each chunk that needs them."""
+"""ModelRunner: one forward pass of the model over a flat batch on the paged pool. ``forward``
+takes a built batch (what the worker's persistent batch gives it); ``execute`` builds one from
+per-sequence chunks (tests, benchmarks, standalone use) and returns last-token logits."""
 
 from __future__ import annotations
 
@@ -56,15 +57,22 @@ class ModelRunner:
         seq_lens = [c.num_computed + n for c, n in zip(ordered, query_lens)]
         meta = AttentionMetadata.build(query_lens, seq_lens, [c.block_table for c in ordered], self.block_size)
         input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.int64)
-        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta, self.backend)
+        hidden = self.forward(input_ids, meta)
         # last token of each chunk needing logits, in input order
         ends = meta.query_start_loc.tolist()
         pos_of = {orig: k for k, orig in enumerate(order)}
         rows = [ends[pos_of[i] + 1] - 1 for i, c in enumerate(chunks) if c.needs_logits]
-        self.last_step = StepStats(meta.num_tokens, meta.num_seqs, meta.num_decodes)
         if not rows:
             return torch.empty((0, vocab), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.int64)))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, E]`` of one flat batch whose metadata is already built (the worker's
+        persistent batch builds it from tensors); K/V of every token are written to the pool."""
+        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta, self.backend)
+        self.last_step = StepStats(meta.num_tokens, meta.num_seqs, meta.num_decodes)
+        return hidden
 
 
 def greedy_generate(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +13,20 @@ def smollm2_dir() -> str:
     from pagedllm.models import load_checkpoint
 
     return load_checkpoint(None).path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> str:
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer: the engine's bookkeeping at a tiny compute cost."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)

@@ -9,6 +9,7 @@ contiguous ``[block_size, head_dim]`` tile and the whole pool is one long
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,26 +72,47 @@ class AttentionMetadata:
         tables = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
         for i, t in enumerate(block_tables):  # one row copy per sequence, not per token
             tables[i, : len(t)] = torch.as_tensor(t, dtype=torch.int32)
-        blocks = tables.long()[seq_of_token, positions // block_size]
+        return cls.from_tensors(positions, seq_of_token, q, s, tables, block_size)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        positions: torch.Tensor,
+        seq_of_token: torch.Tensor,
+        query_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+    ) -> "AttentionMetadata":
+        """The metadata from tensors a persistent batch already holds (int64 ``positions``,
+        ``seq_of_token``, ``query_lens``, ``seq_lens``; int32 ``block_tables [B, width]``)."""
+        blocks = block_tables.long()[seq_of_token, positions // block_size]
         slot_mapping = blocks * block_size + positions % block_size
+        query_lens_list = query_lens.tolist()
         num_decodes = 0
-        for n in query_lens:
+        for n in query_lens_list:
             if n != 1:
                 break
             num_decodes += 1
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(q, 0)
+        qsl = torch.zeros(len(query_lens_list) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(query_lens, 0)
         return cls(
             positions=positions,
             slot_mapping=slot_mapping,
             query_start_loc=qsl,
-            seq_lens=s.to(torch.int32),
-            block_tables=tables,
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=block_tables,
             block_size=block_size,
             num_decodes=num_decodes,
-            query_lens_list=list(query_lens),
-            seq_lens_list=list(seq_lens),
+            query_lens_list=query_lens_list,
+            seq_lens_list=seq_lens.tolist(),
         )
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The same metadata with its tensors on ``device`` (lists stay on the host)."""
+        moved = {f: getattr(self, f).to(device, non_blocking=True)
+                 for f in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
+        return dataclasses.replace(self, **moved)
 
 
 def write_kv(

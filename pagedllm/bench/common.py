@@ -182,14 +182,14 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
                                                             temperature=0.0)) for r in reqs]
     bar = tqdm(total=len(reqs), desc=desc or system, unit="req", disable=not progress, dynamic_ncols=True,
                leave=False)
-    peak_used, done = 0, 0
+    peak_used, done, finals = 0, 0, {}
     timeline = [(0.0, 0)]  # (seconds since t0, output tokens so far) after every step
     try:
         while eng.has_unfinished():
-            eng.step()
+            finals.update((o.request_id, o) for o in eng.step() if o.finished)
             timeline.append((time.monotonic() - t0, eng.stats.generation_tokens - stats0[4]))
             peak_used = max(peak_used, eng.kv.stats()["used"])
-            n = sum(1 for h in handles if h.finished)
+            n = len(finals)
             if n > done or eng.stats.num_steps % 16 == 0:
                 bar.set_postfix_str(f"{(eng.stats.generation_tokens - stats0[4]) / (time.monotonic() - t0):.1f} "
                                     "out tok/s")
@@ -200,10 +200,10 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
     elapsed = time.monotonic() - t0
     if mem:
         mem.__exit__(None, None, None)
-    outs = [eng.output(h) for h in handles]
+    outs = [finals[h] for h in handles]
     res = RunResult(system, elapsed, len(reqs), sum(r.prompt_len for r in reqs), 0)
-    for h, o in zip(handles, outs):
-        m = h.metrics
+    for o in outs:
+        m = o.metrics
         n = len(o.outputs[0].token_ids)
         res.output_tokens += n
         res.output_lens.append(n)
@@ -212,9 +212,8 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
         res.tpot_s.append(m.time_per_output_token(n))
     from pagedllm.kv.kv_cache import KVCache
 
-    cfg = eng.model_config
-    bpb = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eng.kv.block_size,
-                                  eng.kv_cache.dtype if hasattr(eng.kv_cache, "dtype") else eng.kv_cache.data.dtype)
+    cfg, kv_cache = eng.runner.model.config, eng.runner.kv_cache
+    bpb = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eng.kv.block_size, kv_cache.dtype)
     res.peak_mb = mem.peak_mb if mem else None
     res.extra = {
         "peak_kv_blocks": peak_used,

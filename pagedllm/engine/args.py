@@ -14,9 +14,25 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_device(name: str) -> torch.device:
+    """``auto``: cuda when available, else cpu."""
     if name == "auto":
-        if torch.cuda.is_available() or cpu_has_native_bf16():
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """``auto``: bf16 where it is fast (a CUDA device, or a CPU with AVX512-BF16/AMX), else fp32."""
+    if name == "auto":
+        if torch.device(device).type == "cuda" or cpu_has_native_bf16():
             return torch.bfloat16
         return torch.float32
     if name not in DTYPES:
@@ -44,6 +60,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     batching: str = "continuous"
     attention_backend: str = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu; the model, KV cache and sampler live there
+    distributed_executor_backend: str = "uni"  # uni: the worker in this process; mp: in a child process
     check_integrity: bool = False  # run the pool integrity check after every step
     seed: int = 0
 

@@ -5,7 +5,10 @@ only if it ranks in the top W; the W best others continue. ``early_stopping=True
 search stops once W hypotheses are finished (or HF's no-improvement heuristic says so).
 
 Beams that continue from the same parent fork it (blocks shared, copy-on-write on the partial
-block); beams that are dropped release their blocks at once.
+block); beams that are dropped release their blocks at once. It works on the worker's per-beam
+top-k logprobs (``candidates(req)`` of them: the global top-k over all beams is always inside
+the union of each beam's top-k) and talks to the engine core only through ``fork_seq``,
+``release_seq``, ``finish`` and ``beam_output``.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.engine.outputs import CompletionOutput
-from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedllm.engine.sequence import Request, Sequence
+from pagedllm.engine.step_io import Logprobs
 
 if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.core import EngineCore
 
 NEG = -1.0e9
 
@@ -31,36 +34,43 @@ class BeamState:
 
 
 class BeamSearch:
-    def __init__(self, engine: "LLMEngine"):
-        self.engine = engine
+    def __init__(self, core: "EngineCore"):
+        self.core = core
         self.states: dict[str, BeamState] = {}
 
-    def step(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Request]:
-        """Advance every beam request whose live beams all produced logits this step."""
-        by_req: dict[str, list[int]] = {}
-        for i, s in enumerate(seqs):
-            by_req.setdefault(s.request.request_id, []).append(i)
-        done = []
-        logprobs = logits.float().log_softmax(-1)
-        for rows in by_req.values():
-            req = seqs[rows[0]].request
-            self._advance(req, [seqs[i] for i in rows], logprobs[rows])
-            done.append(req)
-        return done
+    def _eos(self, req: Request) -> set[int]:
+        return set() if req.params.ignore_eos else set(self.core.eos_token_ids)
 
-    def _advance(self, req: Request, beams: list[Sequence], logprobs: torch.Tensor) -> None:
-        eng, p = self.engine, req.params
-        width, vocab = p.beam_width, logprobs.shape[1]
+    def candidates(self, req: Request) -> int:
+        """How many candidates a step keeps (HF: ``max(2, 1 + #eos) * W``): each beam's top that many."""
+        return max(2, 1 + len(self._eos(req))) * req.params.beam_width
+
+    def step(self, beams: list[tuple[Sequence, Logprobs]]) -> None:
+        """Advance every beam request whose live beams all produced top-k logprobs this step."""
+        by_req: dict[str, list[tuple[Sequence, Logprobs]]] = {}
+        for seq, lp in beams:
+            by_req.setdefault(seq.request.request_id, []).append((seq, lp))
+        for group in by_req.values():
+            req = group[0][0].request
+            ids = torch.cat([lp.token_ids for _, lp in group])
+            vals = torch.cat([lp.logprobs for _, lp in group])
+            self._advance(req, [s for s, _ in group], ids, vals)
+            self.core.beam_output(req, self.outputs(req))
+
+    def _advance(self, req: Request, beams: list[Sequence], ids: torch.Tensor, logprobs: torch.Tensor) -> None:
+        core, p = self.core, req.params
+        width = p.beam_width
         state = self.states.setdefault(req.request_id, BeamState())
         prompt_len = len(req.prompt_token_ids)
         cur_len = beams[0].num_tokens
-        max_len = min(prompt_len + p.max_tokens, eng.max_model_len)
-        eos = set() if p.ignore_eos else set(eng.eos_token_ids)
-        keep = max(2, 1 + len(eos)) * width
+        max_len = min(prompt_len + p.max_tokens, core.max_model_len)
+        eos = self._eos(req)
+        keep = self.candidates(req)
         scores = torch.tensor([b.cumulative_logprob for b in beams])[:, None] + logprobs
         top_vals, top_idx = scores.flatten().topk(min(keep, scores.numel()))
-        parents = (top_idx // vocab).tolist()
-        tokens = (top_idx % vocab).tolist()
+        per_beam = ids.shape[1]
+        parents = (top_idx // per_beam).tolist()
+        tokens = ids.flatten()[top_idx].tolist()
         vals = top_vals.tolist()
         hits = [t in eos or cur_len + 1 >= max_len for t in tokens]
 
@@ -84,45 +94,39 @@ class BeamSearch:
         finished = (not running or not state.improvable or len(state.slots) == width)
         if finished:
             for b in beams:
-                eng.finish(b, "stop")
+                core.finish(b, "stop")
             req.seqs = beams
             return
         self._reassign(req, beams, [(parents[k], tokens[k], vals[k]) for k in running])
 
     def _reassign(self, req: Request, beams: list[Sequence], picks: list[tuple[int, int, float]]) -> None:
         """Turn the surviving candidates into sequences: reuse a parent once, fork it for more."""
-        eng = self.engine
+        core = self.core
         used: set[int] = set()
         new_beams: list[tuple[Sequence, int, float]] = []
         for par, tok, val in picks:
             parent = beams[par]
             if par in used:
-                child = parent.fork(len(new_beams), None)
-                eng.kv.fork(parent.seq_id, child.seq_id)
-                new_beams.append((child, tok, val))
+                new_beams.append((core.fork_seq(parent, len(new_beams)), tok, val))
             else:
                 used.add(par)
                 new_beams.append((parent, tok, val))
         for i, b in enumerate(beams):
             if i not in used:
-                b.status, b.finish_reason = SequenceStatus.FINISHED, "abort"
-                eng.kv.free(b.seq_id)
-        for seq, tok, val in new_beams:
+                core.release_seq(b)
+        for i, (seq, tok, val) in enumerate(new_beams):
+            seq.index = i
             seq.token_ids.append(tok)
             seq.cumulative_logprob = val
-            seq.status = SequenceStatus.DECODING
-            eng.stats.generation_tokens += 1
+            core.stats.generation_tokens += 1
         req.seqs = [s for s, _, _ in new_beams]
 
-    def outputs(self, req: Request) -> list[CompletionOutput]:
-        """The n best hypotheses (finished first by score), live beams while the search runs."""
+    def outputs(self, req: Request) -> list[tuple[list[int], float]]:
+        """The n best hypotheses (finished first by score) as (output ids, sum logprob); the live
+        beams while the search runs."""
         state = self.states.get(req.request_id, BeamState())
         if req.finished:
             self.states.pop(req.request_id, None)
-        ranked = [(score, toks, lp) for score, toks, lp in state.slots] or [
-            (s.cumulative_logprob, s.output_token_ids, s.cumulative_logprob) for s in req.seqs]
-        tok = self.engine.tokenizer
-        skip = req.params.skip_special_tokens
-        return [CompletionOutput(index=i, text=tok.decode(toks, skip_special_tokens=skip), token_ids=list(toks),
-                                 finish_reason="stop" if req.finished else None, cumulative_logprob=lp)
-                for i, (score, toks, lp) in enumerate(ranked[: req.params.n])]
+        ranked = [(toks, lp) for _, toks, lp in state.slots] or [
+            (s.output_token_ids, s.cumulative_logprob) for s in req.seqs]
+        return [(list(toks), lp) for toks, lp in ranked[: req.params.n]]

@@ -45,4 +45,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None, as vLLM
+    error: str | None = None  # serving the request failed (it was aborted; other requests went on)
     extra: dict = field(default_factory=dict)

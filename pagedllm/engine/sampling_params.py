@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the prompt is computed, not cached)
+    logit_bias: dict[int, float] | None = None  # added to the logits of those token ids before sampling
     use_beam_search: bool = False
     beam_width: int = 4
     length_penalty: float = 1.0
@@ -67,6 +69,11 @@ class SamplingParams:
              f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and isinstance(b, (int, float)) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+             f"logit_bias must map token ids to biases in [-100, 100], got {self.logit_bias!r}")
         if self.use_beam_search:
             need(isinstance(self.beam_width, int) and 2 <= self.beam_width <= MAX_N,
                  f"beam_width must be an integer in [2, {MAX_N}], got {self.beam_width!r}")

@@ -57,7 +57,10 @@ class ScheduledChunk:
 
 
 @dataclass
-class SchedulerOutput:
+class Schedule:
+    """The scheduler's decision for one step, over live sequences (the core turns it into the
+    plain-data ``step_io.SchedulerOutput`` for the worker)."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), applied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
@@ -92,6 +95,22 @@ class Scheduler:
             if self.kv.has_seq(seq.seq_id):
                 self.kv.free(seq.seq_id)
 
+    def requeue(self, req: Request) -> None:
+        """Send a request back to the front of the queue to recompute from scratch (its blocks are
+        released; full blocks stay findable in the prefix cache): how the core recovers the requests
+        of a step that failed."""
+        for queue in (self.running, self.swapped, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        for s in req.seqs:
+            if s.finished:
+                continue
+            if self.kv.has_seq(s.seq_id):
+                self.kv.free(s.seq_id)
+            s.num_computed = 0
+            s.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
     def num_running_seqs(self) -> int:
         return sum(1 for r in self.running for s in r.seqs if not s.finished)
 
@@ -99,8 +118,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     # ----------------------------------------------------------------- step
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> Schedule:
+        out = Schedule()
         budget = [self.config.max_num_batched_tokens]
         scheduled: set[int] = set()
         i = 0
@@ -120,7 +139,7 @@ class Scheduler:
         out.copies = self.kv.take_pending_copies()
         return out
 
-    def _schedule_seqs(self, req: Request, budget: list[int], out: SchedulerOutput, scheduled: set[int],
+    def _schedule_seqs(self, req: Request, budget: list[int], out: Schedule, scheduled: set[int],
                        partial_ok: bool, prefix_first: bool = False) -> bool:
         """Give each unfinished sequence of ``req`` its next chunk; False if blocks ran out."""
         beam = req.params.use_beam_search and len(req.seqs) > 1
@@ -130,7 +149,8 @@ class Scheduler:
             if seq.finished or seq.seq_id in scheduled or seq.num_uncomputed == 0:
                 continue
             prefix = None
-            if prefix_first and seq.num_computed == 0 and self.config.enable_prefix_caching:
+            if (prefix_first and seq.num_computed == 0 and self.config.enable_prefix_caching
+                    and req.params.prompt_logprobs is None):  # prompt logprobs need every position computed
                 prefix = self.kv.match_prefix(seq.token_ids, req.cache_salt)
                 if prefix.num_tokens == 0:
                     prefix = None
@@ -153,7 +173,7 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, n))
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput, budget: list[int], scheduled: set[int]) -> None:
+    def _preempt(self, req: Request, out: Schedule, budget: list[int], scheduled: set[int]) -> None:
         """Release ``req``'s blocks (recompute) or move them to the host tier (swap)."""
         self.running.remove(req)
         dropped = [c for c in out.chunks if c.seq.request is req]
@@ -173,12 +193,11 @@ class Scheduler:
             if self.kv.has_seq(s.seq_id):
                 self.kv.free(s.seq_id)
             s.num_computed = 0
-            s.num_hashed = 0
             s.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(req)
         log.info("preempted request %s by recompute (%d seqs)", req.request_id, len(live))
 
-    def _swap_out(self, seqs: list[Sequence], out: SchedulerOutput) -> bool:
+    def _swap_out(self, seqs: list[Sequence], out: Schedule) -> bool:
         """Move the request's blocks to the host tier at once (shared blocks stay shared); False: host full."""
         pairs = self.kv.swap_out_group([s.seq_id for s in seqs])
         if pairs is None:
@@ -188,7 +207,7 @@ class Scheduler:
             s.status = SequenceStatus.SWAPPED
         return True
 
-    def _swap_in(self, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> None:
+    def _swap_in(self, budget: list[int], out: Schedule, scheduled: set[int]) -> None:
         while self.swapped:
             req = self.swapped[0]
             live = [s for s in req.seqs if not s.finished]
@@ -228,7 +247,7 @@ class Scheduler:
         keys = (self._first_block_key(r) for r in self.running if r.seqs[0].num_computed < bs)
         return {k for k in keys if k is not None}
 
-    def _admit(self, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> None:
+    def _admit(self, budget: list[int], out: Schedule, scheduled: set[int]) -> None:
         """Admit waiting requests; one whose prompt starts like a prompt being prefilled right now waits a
         step or two so it reads those blocks from the prefix cache instead of computing them again."""
         if self.config.batching == "static" and self.running:
@@ -256,7 +275,7 @@ class Scheduler:
         finally:
             self.waiting.extendleft(reversed(deferred))
 
-    def _try_admit(self, req: Request, budget: list[int], out: SchedulerOutput, scheduled: set[int]) -> bool:
+    def _try_admit(self, req: Request, budget: list[int], out: Schedule, scheduled: set[int]) -> bool:
         """Schedule ``req``'s first chunk; on failure undo everything it got this step."""
         before, cached, hit = len(out.chunks), req.metrics.num_cached_tokens, out.num_prefix_hit_tokens
         if self._schedule_seqs(req, budget, out, scheduled, partial_ok=True, prefix_first=True) and (
@@ -275,6 +294,5 @@ class Scheduler:
             if self.kv.has_seq(s.seq_id):
                 self.kv.free(s.seq_id)
             s.num_computed = 0
-            s.num_hashed = 0
         req.metrics.num_cached_tokens, out.num_prefix_hit_tokens = cached, hit
         return False

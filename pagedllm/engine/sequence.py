@@ -1,4 +1,6 @@
-"""Sequences (one stream of tokens with its own block table) and the requests that own them."""
+"""The engine core's view of requests: sequences (one stream of tokens with its own block table)
+and the requests that own them. Workers hold their own copy of what they need (step_io.py); the
+front end holds the text (output_processor.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from pagedllm.engine.outputs import RequestMetrics
 from pagedllm.engine.sampling_params import SamplingParams
@@ -33,26 +33,22 @@ class Sequence:
     """Token ids (prompt + output) and how many of them already have K/V in the pool."""
 
     __slots__ = (
-        "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed",
-        "num_hashed", "status", "finish_reason", "stop_reason", "cumulative_logprob", "logprobs",
-        "generator", "text",
+        "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed", "num_sent",
+        "status", "finish_reason", "stop_reason", "cumulative_logprob",
     )
 
-    def __init__(self, request: "Request", index: int, token_ids: list[int], generator: torch.Generator | None):
+    def __init__(self, request: "Request", index: int, token_ids: list[int]):
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed = 0
-        self.num_hashed = 0  # full blocks already registered in the prefix cache
+        self.num_sent = 0  # leading tokens the worker holds (0: the worker has not seen this sequence)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
-        self.generator = generator
-        self.text = ""
 
     @property
     def num_tokens(self) -> int:
@@ -74,15 +70,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def fork(self, index: int, generator: torch.Generator | None) -> "Sequence":
-        """A child with the same tokens and progress; the KV manager shares its blocks."""
-        child = Sequence(self.request, index, list(self.token_ids), generator)
+    def fork(self, index: int) -> "Sequence":
+        """A child with the same tokens and progress; the KV manager shares its blocks and the
+        worker copies the parent's row (the child has seen what the parent has seen)."""
+        child = Sequence(self.request, index, list(self.token_ids))
         child.num_computed = self.num_computed
-        child.num_hashed = self.num_hashed
+        child.num_sent = self.num_sent
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
-        if self.logprobs is not None:
-            child.logprobs = list(self.logprobs)
         return child
 
 
@@ -102,14 +97,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-
-    def make_generator(self, index: int) -> torch.Generator | None:
-        """Seeded requests get one generator per sample so results do not depend on batch mates."""
-        if self.params.seed is None:
-            return None
-        g = torch.Generator()
-        g.manual_seed(self.params.seed * 1_000_003 + index)
-        return g
 
     @property
     def finished(self) -> bool:

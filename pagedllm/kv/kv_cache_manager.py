@@ -29,6 +29,7 @@ class _Seq:
     hashes: list[int] = field(default_factory=list)  # chain hashes of its leading full blocks
     num_registered: int = 0  # leading full blocks already offered to the prefix cache
     host_blocks: list[int] | None = None  # where its KV lives while swapped out
+    num_sent: int = 0  # leading table entries the worker holds unchanged (see take_table_diff)
 
 
 class KVCacheManager:
@@ -111,15 +112,17 @@ class KVCacheManager:
             return PrefixMatch()
         return self.prefix_cache.match(token_ids, extra_keys_for(cache_salt), record)
 
-    def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
-        """Hash and register the sequence's full blocks not registered yet. ``token_ids`` are all
-        tokens whose KV is computed; idempotent and O(1) when no block filled up."""
+    def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None,
+                          num_computed: int | None = None) -> None:
+        """Hash and register the sequence's full blocks not registered yet: the one place block
+        hashes are made. The first ``num_computed`` of ``token_ids`` (default: all) have KV in the
+        pool; only they are ever hashed. Idempotent and O(1) when no block filled up."""
         if not self.enable_prefix_caching:
             return
         st = self._seq(seq_id)
         bs = self.block_size
         table = st.table.block_ids
-        n_full = min(len(token_ids) // bs, len(table))
+        n_full = min((len(token_ids) if num_computed is None else num_computed) // bs, len(table))
         if n_full <= st.num_registered:
             return
         k = len(st.hashes)
@@ -200,6 +203,7 @@ class KVCacheManager:
                 old = table[i]
                 if i in cow:
                     table[i] = pool.allocate()
+                    st.num_sent = min(st.num_sent, i)
                     if i == first and num_computed_tokens % bs:
                         self._queue_copy(old, table[i])
                     self._release(old)
@@ -208,6 +212,15 @@ class KVCacheManager:
         for _ in range(new):
             table.append(pool.allocate())
         return True
+
+    def take_table_diff(self, seq_id: SeqId) -> tuple[int, list[int]]:
+        """What changed in the sequence's table since the last call, for a worker's copy of it:
+        ``(keep, new_ids)`` means keep the first ``keep`` entries and append ``new_ids`` (a
+        copy-on-write replacement or a swap moves ``keep`` back; growth only appends)."""
+        st = self._seq(seq_id)
+        table = st.table.block_ids
+        keep, st.num_sent = st.num_sent, len(table)
+        return keep, table[keep:]
 
     def take_pending_copies(self) -> BlockPairs:
         """This step's copy-on-write copies as (src, dst) device blocks; ends the step."""
@@ -250,7 +263,8 @@ class KVCacheManager:
             raise RuntimeError(f"cannot fork swapped-out sequence {parent_id!r}")
         for b in p.table.block_ids:
             self.pool.incref(b)
-        self._seqs[child_id] = _Seq(BlockTable(self.block_size, list(p.table.block_ids)), list(p.hashes), p.num_registered)
+        self._seqs[child_id] = _Seq(BlockTable(self.block_size, list(p.table.block_ids)), list(p.hashes),
+                                    p.num_registered, num_sent=p.num_sent)
 
     def free(self, seq_id: SeqId) -> None:
         """Release a finished, aborted or recompute-preempted sequence (unknown ids are ignored).
@@ -308,6 +322,7 @@ class KVCacheManager:
                 self._release(b)
             st.table.block_ids = []
             st.num_registered = 0
+            st.num_sent = 0
         return pairs
 
     def swap_in_group(self, seq_ids: Sequence[SeqId]) -> BlockPairs | None:
@@ -328,6 +343,7 @@ class KVCacheManager:
                 taken.add(d)
             self._drop_host(st)
             st.table.block_ids = table
+            st.num_sent = 0
             self._swapped_in_now.add(sid)
         return list(dev_of.items())
 

@@ -171,17 +171,17 @@ def _load_hf_dir(path: str) -> Checkpoint:
                       blocks if os.path.isfile(blocks) else None)
 
 
-def load_checkpoint(model: str | os.PathLike[str] | None = None) -> Checkpoint:
-    """Load ``model`` (None = embedded SmolLM2, a ``.gguf`` file, an HF directory, or an alias
-    such as ``"qwen2.5-coder-0.5b"``).
+def resolve_model_dir(model: str | os.PathLike[str] | None = None) -> str:
+    """The HF-format directory of ``model`` (None = embedded SmolLM2, a ``.gguf`` file, an HF
+    directory, or an alias such as ``"qwen2.5-coder-0.5b"``); GGUF files are converted once.
 
-    GGUF files go through the conversion cache; ValueError names what is wrong and what is accepted.
+    ValueError names what is wrong and what is accepted.
     """
     path = default_model_path() if model is None else os.fspath(model)
     if path in _SPLIT_GGUFS:
         path = _assemble_split_gguf(path)
     if os.path.isdir(path):
-        return _load_hf_dir(path)
+        return path
     if not os.path.isfile(path):
         raise ValueError(f"model path {path!r} does not exist; pagedllm accepts {_ACCEPTED}")
     if not path.endswith(".gguf"):
@@ -189,4 +189,16 @@ def load_checkpoint(model: str | os.PathLike[str] | None = None) -> Checkpoint:
     dest = gguf_cache_dir(path)
     if not dest.is_dir():
         _convert_gguf(path, dest)
-    return _load_hf_dir(str(dest))
+    return str(dest)
+
+
+def load_checkpoint(model: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """Load ``model`` (see ``resolve_model_dir``): configs, weights and tokenizer."""
+    return _load_hf_dir(resolve_model_dir(model))
+
+
+def load_tokenizer(model: str | os.PathLike[str] | None = None) -> PreTrainedTokenizerBase:
+    """Only the tokenizer of ``model``: what a front end needs (the weights live on the worker)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)

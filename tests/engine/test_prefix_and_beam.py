@@ -20,17 +20,17 @@ def test_shared_system_prompt_computed_once(tiny_model_dir):
                   max_num_batched_tokens=4096)
         eng = llm.engine
         llm.generate([prompts[0]], sp, use_tqdm=False)  # warm the cache with one request
-        reqs = [eng.add_request(p, sp) for p in prompts[1:]]
-        peak = 0
+        rids = [eng.add_request(p, sp) for p in prompts[1:]]
+        peak, finals = 0, {}
         while eng.has_unfinished():
-            eng.step()
+            finals.update((o.request_id, o) for o in eng.step() if o.finished)
             peak = max(peak, eng.kv.stats()["used"])
         used[caching], computed[caching] = peak, eng.stats.prompt_tokens_computed
-        assert all(r.finished for r in reqs)
+        reqs = [finals[r] for r in rids]
         eng.kv.check_integrity()
         assert eng.kv.stats()["used"] == 0
         if caching:
-            assert all(r.metrics.num_cached_tokens == 496 for r in reqs)  # 31 full blocks of the system prompt
+            assert all(r.num_cached_tokens == 496 for r in reqs)  # 31 full blocks of the system prompt
     assert computed[True] == 503 + 31 * 7  # prompt once, then each request's uncached tail (496 cached)
     assert computed[False] == 32 * 503
     assert used[True] < used[False]

@@ -27,10 +27,11 @@ def test_n4_shares_prompt_blocks(tiny):
     """Seed 001: a 64-token prompt (4 blocks of 16) and 4 samples share the prompt blocks."""
     eng = tiny.engine
     prompt = list(range(100, 164))
-    req = eng.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True))
-    peak_used, prompt_refs = 0, []
-    while not req.finished:
-        eng.step()
+    rid = eng.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True))
+    req = eng.core.requests[rid]  # the core's view: its sequences and their blocks
+    peak_used, prompt_refs, out = 0, [], None
+    while out is None or not out.finished:
+        out = next(o for o in eng.step() if o.request_id == rid)
         live = [s for s in req.seqs if not s.finished]
         if len(live) == 4:
             tables = [eng.kv.block_table(s.seq_id) for s in live]
@@ -40,7 +41,6 @@ def test_n4_shares_prompt_blocks(tiny):
     # 4 shared prompt blocks + one private block per sample (10 tokens fit one block) = 8; naive: 4 x 5 = 20
     assert peak_used == 8
     assert prompt_refs == [4, 4, 4, 4]
-    out = eng.output(req)
     assert len(out.outputs) == 4 and all(len(o.token_ids) == 10 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "4 samples at temperature 1 should differ"
     _clean(tiny)
@@ -104,18 +104,15 @@ def test_bad_requests_raise_before_scheduling(tiny):
 
 def test_penalties_change_distribution_vectorised():
     """The batched penalty transform equals a per-row loop (vLLM semantics)."""
-    from pagedllm.engine.sampler import apply_penalties
-    from pagedllm.engine.sequence import Request, Sequence
+    from pagedllm.worker.sampler import SamplingBatch, apply_penalties
 
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     settings = [dict(repetition_penalty=1.5), dict(presence_penalty=0.7, frequency_penalty=0.3), dict()]
-    seqs = []
-    for i, kw in enumerate(settings):
-        req = Request(f"r{i}", None, [1, 2, 3], SamplingParams(**kw))
-        s = Sequence(req, 0, [1, 2, 3, 7, 7, 9], None)
-        seqs.append(s)
-    got = apply_penalties(logits.clone(), seqs)
+    history = torch.tensor([[1, 2, 3, 7, 7, 9, 0, 0]] * 3)  # prompt [1, 2, 3], outputs [7, 7, 9], then padding
+    batch = SamplingBatch([SamplingParams(**kw) for kw in settings], [None] * 3, history,
+                          torch.tensor([3, 3, 3]), torch.tensor([6, 6, 6]))
+    got = apply_penalties(logits.clone(), batch)
     want = logits.clone()
     for tok in {1, 2, 3, 7, 9}:
         want[0, tok] = want[0, tok] / 1.5 if want[0, tok] > 0 else want[0, tok] * 1.5
@@ -125,7 +122,7 @@ def test_penalties_change_distribution_vectorised():
 
 
 def test_top_k_top_p_min_p_filter():
-    from pagedllm.engine.sampler import filter_logits
+    from pagedllm.worker.sampler import filter_logits
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
     out = filter_logits(logits, torch.tensor([2, 4, 4]), torch.tensor([1.0, 0.7, 1.0]), torch.tensor([0.0, 0.0, 0.2]))

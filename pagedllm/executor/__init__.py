@@ -1,0 +1,25 @@
+"""Executors run the worker(s) for the engine core: in this process, or in a child process."""
+
+from __future__ import annotations
+
+from pagedllm.engine.args import EngineArgs
+from pagedllm.executor.base import Executor
+
+EXECUTORS = ("uni", "mp")
+
+
+def make_executor(args: EngineArgs) -> Executor:
+    """The executor ``args.distributed_executor_backend`` names (ValueError for an unknown one)."""
+    if args.distributed_executor_backend == "uni":
+        from pagedllm.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(args)
+    if args.distributed_executor_backend == "mp":
+        from pagedllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(args)
+    raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTORS)}, "
+                     f"got {args.distributed_executor_backend!r}")
+
+
+__all__ = ["EXECUTORS", "Executor", "make_executor"]

@@ -1,0 +1,101 @@
+"""The worker in a child process: each step crosses a pipe as bytes (``step_io.encode``), so the
+core and the worker share nothing but plain data: the shape tensor parallelism and other
+devices need. A worker that dies or raises stops the engine with a clear error, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import traceback
+from multiprocessing.connection import Connection
+
+from pagedllm.engine.args import EngineArgs
+from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedllm.executor.base import Executor, build_in_child
+
+log = logging.getLogger("pagedllm.executor")
+
+POLL_S = 0.5  # how often a waiting core checks that the worker process is still alive
+
+
+class WorkerError(RuntimeError):
+    """The worker process failed; the message carries its traceback."""
+
+
+def _worker_main(args: EngineArgs, conn: Connection) -> None:
+    from pagedllm.worker.worker import Worker
+
+    worker = build_in_child(conn, lambda: Worker(args))
+    if worker is None:
+        return
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except EOFError:
+            return
+        if not data:  # shutdown
+            return
+        try:
+            conn.send_bytes(encode(worker.execute(decode(data))))
+        except BaseException:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, args: EngineArgs) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_main, args=(args, child), name="pagedllm-worker", daemon=True)
+        self._proc.start()
+        child.close()
+        kind, payload = self._wait(self._conn.recv)
+        if kind != "ready":
+            self.shutdown()
+            raise WorkerError(f"the worker process failed to start:\n{payload}")
+        self.spec = payload
+
+    def _wait(self, read):
+        while not self._safe_poll():
+            if not self._proc.is_alive():
+                raise WorkerError(f"the worker process died (exit code {self._proc.exitcode})")
+        try:
+            return read()
+        except (EOFError, OSError) as e:
+            raise WorkerError(f"the worker process died (exit code {self._proc.exitcode})") from e
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            self._conn.send_bytes(encode(so))
+        except OSError as e:
+            self._proc.join(timeout=1)
+            raise WorkerError(f"the worker process died (exit code {self._proc.exitcode})") from e
+        data = self._wait(self._conn.recv_bytes)
+        try:
+            return decode(data)
+        except TypeError:
+            import pickle
+
+            kind, payload = pickle.loads(data)
+            raise WorkerError(f"the worker failed a step:\n{payload}") from None
+
+    def _safe_poll(self) -> bool:
+        try:
+            return self._conn.poll(POLL_S)
+        except (EOFError, OSError):
+            return True  # the read that follows raises WorkerError
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def shutdown(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send_bytes(b"")
+            except OSError:
+                pass
+            self._proc.join(timeout=5)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._conn.close()

@@ -1,0 +1,17 @@
+"""The worker in the engine core's own process: a step is a function call."""
+
+from __future__ import annotations
+
+from pagedllm.engine.args import EngineArgs
+from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor.base import Executor
+from pagedllm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, args: EngineArgs) -> None:
+        self.worker = Worker(args)
+        self.spec = self.worker.spec
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(so)

@@ -1,0 +1,164 @@
+"""The worker's persistent batch: every live sequence's tokens, block table and sampling settings
+in fixed tensors, updated from the core's per-step diffs instead of rebuilt from lists.
+
+A sequence owns one row from the time the worker first sees it until it finishes (preempted
+sequences keep theirs: their tokens do not change, and their table is replaced when they come
+back). A step gathers its rows with index ops: input ids, positions, slot mapping and block
+tables are tensor ops over the rows, never a Python loop over tokens or blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.step_io import NewSeqData, ScheduledSeq
+
+
+@dataclass
+class StepInputs:
+    """One forward pass's inputs, in the order the attention metadata wants (decodes first)."""
+
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    order: list[int]  # order[k] = index into SchedulerOutput.scheduled of the k-th sequence in the batch
+    rows: torch.Tensor  # [B] batch rows, in the scheduled (not attention) order
+
+
+class InputBatch:
+    """Rows of token ids ``[rows, max_model_len]`` and block tables ``[rows, max_blocks]``, plus
+    per-row sampling settings as tensors (the sampler gathers them per step)."""
+
+    def __init__(self, max_model_len: int, block_size: int, vocab_size: int, device: torch.device,
+                 initial_rows: int = 64) -> None:
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.row_of: dict[int, int] = {}
+        self.params: list[SamplingParams | None] = []
+        self.generators: list[torch.Generator | None] = []
+        self._free: list[int] = []
+        n = 0
+        self.token_ids = torch.zeros((n, max_model_len), dtype=torch.int64)
+        self.block_table = torch.zeros((n, self.max_blocks), dtype=torch.int32)
+        self.num_tokens = torch.zeros(n, dtype=torch.int64)
+        self.num_prompt = torch.zeros(n, dtype=torch.int64)
+        self.num_blocks = torch.zeros(n, dtype=torch.int64)
+        self.sample_index = torch.zeros(n, dtype=torch.int64)
+        self._grow(initial_rows)
+
+    # ---------------------------------------------------------------- rows
+    def _grow(self, rows: int) -> None:
+        """Double the row tensors (rows are never moved, so row ids stay valid)."""
+        old = self.token_ids.shape[0]
+        new = max(rows, 2 * old, 1)
+
+        def widen(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((new, *t.shape[1:]), dtype=t.dtype)
+            out[:old] = t
+            return out
+
+        for name in ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks", "sample_index"):
+            setattr(self, name, widen(getattr(self, name)))
+        self.params += [None] * (new - old)
+        self.generators += [None] * (new - old)
+        self._free += range(new - 1, old - 1, -1)
+
+    def _take_row(self, seq_id: int) -> int:
+        if seq_id in self.row_of:
+            raise ValueError(f"sequence {seq_id} already has a row")
+        if not self._free:
+            self._grow(0)
+        row = self._free.pop()
+        self.row_of[seq_id] = row
+        return row
+
+    def add(self, new: NewSeqData) -> None:
+        n = len(new.token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"sequence {new.seq_id} has {n} tokens; the worker holds at most {self.max_model_len}")
+        row = self.row_of.get(new.seq_id)
+        resync = row is not None  # the core resends a sequence whole after a failed step
+        if row is None:
+            row = self._take_row(new.seq_id)
+        self.token_ids[row, :n] = torch.as_tensor(new.token_ids, dtype=torch.int64)
+        self.num_tokens[row] = n
+        self.num_prompt[row] = new.num_prompt_tokens
+        self.num_blocks[row] = 0
+        self.sample_index[row] = new.sample_index
+        self.params[row] = new.params
+        if not resync:
+            self.generators[row] = make_generator(new.params, new.sample_index)
+
+    def fork(self, parent: int, child: int, sample_index: int, generator: torch.Generator | None) -> None:
+        """The child's row starts as a copy of the parent's (tokens, table, settings)."""
+        src = self.row_of[parent]
+        row = self._take_row(child)
+        for t in (self.token_ids, self.block_table, self.num_tokens, self.num_prompt, self.num_blocks):
+            t[row] = t[src]
+        self.sample_index[row] = sample_index
+        self.params[row] = self.params[src]
+        self.generators[row] = generator
+
+    def remove(self, seq_id: int) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is None:
+            return
+        self.params[row] = None
+        self.generators[row] = None
+        self._free.append(row)
+
+    def apply(self, s: ScheduledSeq) -> int:
+        """Apply one sequence's diff (new tokens, block-table change); returns its row."""
+        row = self.row_of[s.seq_id]
+        if s.new_token_ids:
+            start = int(self.num_tokens[row])
+            end = start + len(s.new_token_ids)
+            if end > self.max_model_len:
+                raise ValueError(f"sequence {s.seq_id} would exceed {self.max_model_len} tokens")
+            self.token_ids[row, start:end] = torch.as_tensor(s.new_token_ids, dtype=torch.int64)
+            self.num_tokens[row] = end
+        if s.table_keep != int(self.num_blocks[row]) or s.new_block_ids:
+            end = s.table_keep + len(s.new_block_ids)
+            if s.new_block_ids:
+                self.block_table[row, s.table_keep:end] = torch.as_tensor(s.new_block_ids, dtype=torch.int32)
+            self.num_blocks[row] = end
+        if s.num_computed + s.num_tokens > int(self.num_tokens[row]):
+            raise ValueError(f"sequence {s.seq_id}: {s.num_computed} + {s.num_tokens} tokens scheduled but the "
+                             f"worker holds {int(self.num_tokens[row])}")
+        return row
+
+    # ---------------------------------------------------------------- step
+    def prepare(self, scheduled: list[ScheduledSeq], rows: list[int]) -> StepInputs:
+        """Input ids and attention metadata for the scheduled sequences, by tensor ops over their rows."""
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_tokens != 1)
+        row_t = torch.tensor([rows[i] for i in order], dtype=torch.int64)
+        q = torch.tensor([scheduled[i].num_tokens for i in order], dtype=torch.int64)
+        start = torch.tensor([scheduled[i].num_computed for i in order], dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(order)), q)
+        offsets = torch.arange(int(q.sum())) - (torch.cumsum(q, 0) - q)[seq_of_token]
+        positions = start[seq_of_token] + offsets
+        input_ids = self.token_ids[row_t[seq_of_token], positions]
+        seq_lens = start + q
+        width = max(1, int(self.num_blocks[row_t].max()))
+        tables = self.block_table[row_t, :width]
+        meta = AttentionMetadata.from_tensors(positions, seq_of_token, q, seq_lens, tables, self.block_size)
+        dev = self.device
+        if dev.type != "cpu":
+            input_ids = input_ids.to(dev, non_blocking=True)
+            meta = meta.to(dev)
+        return StepInputs(input_ids, meta, order, torch.tensor(rows, dtype=torch.int64))
+
+
+def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
+    """Seeded requests get one generator per sample, so their draws do not depend on batch mates."""
+    if params.seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed((params.seed * 1_000_003 + sample_index) % (1 << 63))
+    return g
