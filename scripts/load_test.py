@@ -115,14 +115,30 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
 
-async def run_clients(url: str, headers: dict, n: int, disconnects: int, max_tokens: int) -> tuple[list[Result], float]:
+async def poll_health(http: httpx.AsyncClient, stop: asyncio.Event, every: float = 0.1) -> list[float]:
+    """/health latency (seconds) every ``every`` s while the clients run: is the API process free while the engine is busy?"""
+    lat = []
+    while not stop.is_set():
+        t0 = time.monotonic()
+        await http.get("/health")
+        lat.append(time.monotonic() - t0)
+        await asyncio.sleep(every)
+    return lat
+
+
+async def run_clients(url: str, headers: dict, n: int, disconnects: int,
+                      max_tokens: int) -> tuple[list[Result], float, list[float]]:
     step = max(1, n // max(disconnects, 1))
     hangers = set(range(0, n, step)[:disconnects])
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(600)) as http:
+        stop = asyncio.Event()
+        health = asyncio.create_task(poll_health(http, stop))
         t0 = time.monotonic()
         results = await asyncio.gather(*(chat_client(http, i, max_tokens, i in hangers) for i in range(n)))
-        return list(results), time.monotonic() - t0
+        wall = time.monotonic() - t0
+        stop.set()
+        return list(results), wall, await health
 
 
 def main() -> int:
@@ -156,7 +172,7 @@ def main() -> int:
         wait_healthy(url, proc, timeout=300)
         http = httpx.Client(base_url=url, headers=headers, timeout=60)
         before = scrape(http)
-        results, wall = asyncio.run(asyncio.wait_for(
+        results, wall, health_lat = asyncio.run(asyncio.wait_for(
             run_clients(url, headers, args.clients, args.disconnects, args.max_tokens), args.timeout))
         after = wait_idle(http, timeout=60)
         health = http.get("/health")
@@ -174,6 +190,8 @@ def main() -> int:
     print(f"clients {len(results)} ({args.disconnects} disconnecting mid-stream), wall {wall:.1f} s")
     print(f"requests/s {len(results) / wall:.2f} (completed {done}, {done / wall:.2f}/s)")
     print(f"TTFT p50 {pct(ttfts, 50) * 1e3:.0f} ms, p99 {pct(ttfts, 99) * 1e3:.0f} ms (n={len(ttfts)})")
+    print(f"/health under load p50 {pct(health_lat, 50) * 1e3:.0f} ms, p99 {pct(health_lat, 99) * 1e3:.0f} ms "
+          f"(n={len(health_lat)})")
     print(f"tokens/s {gen / wall:.1f} (server generated {gen:.0f}; clients received "
           f"{sum(r.tokens for r in results)})")
     print(f"errors {len(errors)}" + "".join(f"\n  client error: {r.error}" for r in errors[:10]))

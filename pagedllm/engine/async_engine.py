@@ -1,110 +1,114 @@
-"""Streaming front end: one engine loop in a background thread shared by every caller.
+"""Streaming front end: tokenizes, validates and detokenizes in the caller's process, while the
+engine core steps in its own process (the default: HTTP never waits on the core's GIL) or in a
+background thread (``core_process=False``).
 
-Callers add requests and read cumulative ``RequestOutput``s from an asyncio queue; aborting
-(or a client that goes away) removes the request and frees its blocks on the loop thread, so
-the engine itself is only ever touched by that thread.
+Callers add requests and read cumulative ``RequestOutput``s from an asyncio queue; aborting (or
+a client that goes away) removes the request in the core, which frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
+from pagedllm.engine.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.engine.limits import RequestLimits
+from pagedllm.engine.llm_engine import tokenize_prompt
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.models.loader import load_tokenizer
 
 log = logging.getLogger("pagedllm.async")
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(args or EngineArgs())
-        self.tokenizer = self.engine.tokenizer
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+    def __init__(self, args: EngineArgs | None = None, core_process: bool = True):
+        self.args = args = args or EngineArgs()
+        self.tokenizer = load_tokenizer(args.model)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()  # the processor is fed by the reader thread and by callers
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
-        self._thread.start()
-        self.error: BaseException | None = None
+        self.client: CoreClient
+        if core_process:
+            self.client = ProcessCoreClient(args, self._on_outputs, self._on_error)
+            spec = self.client.spec
+        else:
+            from pagedllm.engine.core import EngineCore
 
-    # -------------------------------------------------------------- engine thread
-    def _loop(self) -> None:
-        eng = self.engine
-        while not self._stop.is_set():
-            try:
-                block = not eng.has_unfinished()
-                cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-                cmd()
-                continue  # drain every pending command before the next step
-            except queue.Empty:
-                pass
-            if not eng.has_unfinished():
-                continue
-            try:
-                progressed = eng.step()
-            except Exception as e:  # a broken step must not hang every client
-                log.exception("engine step failed")
-                self.error = e
-                for rid in list(self._streams):
-                    self._push(rid, e)
-                    eng.abort_request(rid)
-                continue
-            for req in progressed:
-                if req.request_id in self._streams:
-                    self._push(req.request_id, eng.output(req))
+            core = EngineCore(args)
+            spec = core.spec
+            self.client = ThreadCoreClient(core, self._on_outputs, self._on_error)
+        self.spec = spec
+        self.limits = RequestLimits(spec.max_model_len, spec.num_blocks, spec.block_size, spec.vocab_size)
+        self.model_name = spec.model_name
+        self.max_model_len = spec.max_model_len
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.client.error
+
+    # -------------------------------------------------------------- from the core
+    def _on_outputs(self, outs: list[EngineCoreOutput]) -> None:
+        with self._lock:
+            results, stops = self.processor.process(outs)
+        for rid, index, stop in stops:
+            self.client.finish_seq(rid, index, "stop", stop)
+        for out in results:
+            self._push(out.request_id, out)
+
+    def _on_error(self, e: BaseException) -> None:
+        for rid in list(self._streams):
+            self._push(rid, e)
 
     def _push(self, request_id: str, item: Any) -> None:
         entry = self._streams.get(request_id)
         if entry is None:
             return
         loop, q = entry
-        if isinstance(item, RequestOutput) and item.finished or isinstance(item, BaseException):
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = RuntimeError(item.error)
+        if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
         loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> "asyncio.Future[Any]":
-        """Run ``fn(engine)`` on the engine thread (between steps) and await its result."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-
-        def run() -> None:
-            try:
-                res = fn(self.engine)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(fut.set_exception, e)
-            else:
-                loop.call_soon_threadsafe(fut.set_result, res)
-
-        self._commands.put(run)
-        return fut
-
     # -------------------------------------------------------------- public API
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt, self.limits.vocab_size)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.limits.check(prompt_ids, params)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(core)`` on the engine core between steps and await its result (with the core in
+        its own process, ``fn`` must be a module-level function)."""
+        return await asyncio.wrap_future(self.client.call(fn))
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step it makes progress; the last is finished.
 
         Raises ValueError (before anything is scheduled) for a bad prompt or settings.
         """
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-
-        def add(eng: LLMEngine) -> None:
-            self._streams[request_id] = (loop, q)
-            try:
-                eng.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
-            except BaseException:
-                self._streams.pop(request_id, None)
-                raise
-
+        now = time.monotonic()
+        with self._lock:
+            if request_id in self.processor.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.processor.add_request(request_id, text, ids, params, now)
+        self._streams[request_id] = (loop, q)
         finished = False
         try:
-            await self.call(add)  # inside try: a caller cancelled mid-add still aborts the request
+            await asyncio.wrap_future(self.client.add(EngineCoreRequest(request_id, ids, params, cache_salt, now)))
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -114,19 +118,29 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            if not finished:  # the consumer went away: free the request's blocks
-                await self.abort(request_id)
+            if not finished:  # the consumer went away (or the add failed): free the request's blocks
+                self.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        def run(eng: LLMEngine) -> None:
-            self._streams.pop(request_id, None)
-            eng.abort_request(request_id)
-
-        await self.call(run)
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        with self._lock:
+            self.processor.abort(request_id)
+        if self.client.error is None:
+            self.client.abort(request_id)
 
     async def stats(self) -> dict:
-        return await self.call(lambda eng: eng.pool_stats())
+        return await self.call(pool_stats)
+
+    async def check_integrity(self) -> None:
+        await self.call(check_integrity)
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.client.shutdown()
+
+
+def pool_stats(core) -> dict:
+    return core.pool_stats()
+
+
+def check_integrity(core) -> None:
+    core.check_integrity()

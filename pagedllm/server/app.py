@@ -25,7 +25,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.llm import apply_chat_template
@@ -90,16 +89,18 @@ class OpenAIServing:
             raise APIError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def admit(self, body: SamplingRequest, tokenize: Callable[[LLMEngine], list[list[int]]],
+    async def admit(self, body: SamplingRequest, tokenize: Callable[[AsyncEngine], list[list[int]]],
                     max_tokens: int | None, logprobs: int | None) -> tuple[list[list[int]], SamplingParams]:
-        """Tokenize and validate every prompt on the engine thread; ``max_tokens=None`` means as many as fit."""
+        """Tokenize and validate every prompt here, in the front end (off the event loop); ``max_tokens=None``
+        means as many as fit."""
 
-        def run(eng: LLMEngine) -> tuple[list[list[int]], SamplingParams]:
+        def run(eng: AsyncEngine) -> tuple[list[list[int]], SamplingParams]:
             ids = tokenize(eng)
             limit = max_tokens
             if limit is None:  # the most the context and (for all n samples) the pool can take
                 longest = max(map(len, ids))
-                per_sample = (eng.kv.num_blocks * eng.kv.block_size - longest) // max(body.n, 1) - eng.kv.block_size
+                lim = eng.limits
+                per_sample = (lim.num_blocks * lim.block_size - longest) // max(body.n, 1) - lim.block_size
                 limit = max(1, min(eng.max_model_len - longest, per_sample))
             params = body.sampling_params(limit, logprobs)
             for prompt_ids in ids:
@@ -108,7 +109,7 @@ class OpenAIServing:
 
         self.check_model(body)
         try:
-            return await self.engine.call(run)
+            return await asyncio.to_thread(run, self.engine)
         except ValueError as e:
             word = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=word if word in type(body).model_fields else None) from e
@@ -332,7 +333,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     s = _serving(request)
-    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.engine.engine.max_model_len)])
+    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.engine.max_model_len)])
 
 
 @router.get("/health")
@@ -341,9 +342,9 @@ async def health(request: Request) -> dict:
     engine: AsyncEngine = request.app.state.engine
     if engine.error is not None:
         raise APIError(503, f"engine failed: {engine.error}", type="server_error")
-    if engine.engine.args.check_integrity:
+    if engine.args.check_integrity:
         try:
-            await engine.call(lambda eng: eng.kv.check_integrity())
+            await engine.check_integrity()
         except AssertionError as e:
             raise APIError(503, f"KV pool integrity check failed: {e}", type="server_error") from e
     return {"status": "ok"}
@@ -386,7 +387,7 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     app = FastAPI(title="pagedllm", version=__version__)
     app.state.engine = engine
     app.state.metrics = ServerMetrics()
-    app.state.serving = OpenAIServing(engine, served_model_name or engine.engine.model_name, app.state.metrics)
+    app.state.serving = OpenAIServing(engine, served_model_name or engine.model_name, app.state.metrics)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

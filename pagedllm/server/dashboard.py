@@ -27,7 +27,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.core import EngineCore
 
 MAX_CELLS = 4096  # larger pools are aggregated into at most this many buckets
 STREAM_INTERVAL_S = 0.25
@@ -38,7 +38,7 @@ STATIC = resources.files("pagedllm.server") / "static"
 router = APIRouter()
 
 
-def _tok_s(eng: LLMEngine, now: float) -> float:
+def _tok_s(eng: EngineCore, now: float) -> float:
     """Generated tokens per second over the last ``TOK_S_WINDOW_S`` seconds of steps."""
     total = 0
     for t, n in reversed(eng.stats.history):
@@ -48,7 +48,7 @@ def _tok_s(eng: LLMEngine, now: float) -> float:
     return total / TOK_S_WINDOW_S
 
 
-def _requests(eng: LLMEngine, tables: dict[int, list[int]]) -> list[dict[str, Any]]:
+def _requests(eng: EngineCore, tables: dict[int, list[int]]) -> list[dict[str, Any]]:
     """The listed requests of each queue with their live sequences' block tables."""
     sched = eng.scheduler
     out = []
@@ -62,7 +62,7 @@ def _requests(eng: LLMEngine, tables: dict[int, list[int]]) -> list[dict[str, An
     return out
 
 
-def _read(eng: LLMEngine) -> dict[str, Any]:
+def _read(eng: EngineCore) -> dict[str, Any]:
     """Counters and flat per-block lists, read on the engine thread; the per-block dicts or
     buckets are built from them elsewhere (``_build``), so the engine pauses only for the copy."""
     kv = eng.kv

@@ -22,8 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from pagedllm.server.dashboard import take_snapshot
-
 SYSTEM = (
     "You are the front-desk assistant of the Riverside public library. Answer questions about opening "
     "hours, borrowing limits, renewals, late fees, study-room bookings, the maker space, children's "
@@ -62,21 +60,21 @@ def _integrity_counts(eng) -> dict[str, int]:
             "used": sum(b.ref_count > 0 for b in kv.pool.blocks)}
 
 
+def _one_moment_reads(core) -> tuple[dict[str, Any], dict[str, int]]:
+    """The snapshot's raw copy and the integrity counts in one call on the core: no step between them."""
+    from pagedllm.server.dashboard import _read
+
+    return _read(core), _integrity_counts(core)
+
+
 def _at_one_moment(engine) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
-    """A per-block snapshot, a 16-bucket snapshot and the integrity counts with no engine step
-    between them: the engine thread is held until all three reads are queued."""
+    """A per-block snapshot, a 16-bucket snapshot and the integrity counts of one moment."""
+    import copy
 
-    async def run():
-        gate = threading.Event()
-        hold = engine.call(lambda eng: gate.wait(10))
-        reads = [asyncio.ensure_future(take_snapshot(engine)), asyncio.ensure_future(take_snapshot(engine, 16)),
-                 asyncio.ensure_future(engine.call(_integrity_counts))]
-        await asyncio.sleep(0.05)  # every read has queued its engine call
-        gate.set()
-        await hold
-        return await asyncio.gather(*reads)
+    from pagedllm.server.dashboard import MAX_CELLS, _build
 
-    return tuple(asyncio.run(run()))
+    raw, counts = asyncio.run(engine.call(_one_moment_reads))
+    return _build(copy.deepcopy(raw), MAX_CELLS), _build(raw, 16), counts
 
 
 def _check_snapshot(snap: dict[str, Any], buckets: dict[str, Any], counts: dict[str, int]) -> None:
@@ -191,7 +189,7 @@ def test_dashboard_in_chromium(server, browser, tmp_path):
     def text(id_: str) -> str:
         return browser.find_element(By.ID, id_).text
 
-    num_blocks = server.engine.engine.kv.num_blocks
+    num_blocks = server.engine.limits.num_blocks
     browser.get(f"{server.url}/dashboard#key={server.api_key}")  # the page sends the key itself
     wait = WebDriverWait(browser, 60, poll_frequency=0.05)
     wait.until(lambda d: "live" in d.find_element(By.ID, "conn").get_attribute("class")

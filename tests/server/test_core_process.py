@@ -1,0 +1,90 @@
+"""The server's engine core in its own process: the API process keeps answering while the core is
+busy, and a core that dies gives every stream an error and /health 503, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir):
+    import uvicorn
+
+    from pagedllm.engine.args import EngineArgs
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.server import create_app
+
+    engine = AsyncEngine(EngineArgs(model=tiny_model_dir, kv_cache_memory=64 << 20, max_model_len=2048))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+def test_core_runs_in_another_process(live):
+    url, engine = live
+    assert engine.client.pid not in (None, os.getpid())
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello there", "max_tokens": 5, "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_health_answers_while_the_core_is_busy(live):
+    url, _ = live
+    body = {"prompt": "Once upon a time " * 20, "max_tokens": 400, "ignore_eos": True}
+    threads = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                                kwargs={"json": body, "timeout": 120}) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    lat = []
+    for _ in range(20):
+        t0 = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        lat.append(time.monotonic() - t0)
+    for t in threads:
+        t.join()
+    assert sorted(lat)[-2] < 0.5, lat  # the core's steps do not hold the API process
+
+
+def test_dead_core_gives_errors_not_hangs(live):
+    url, engine = live
+    results = {}
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                              json={"prompt": "A long story", "max_tokens": 1500, "ignore_eos": True,
+                                    "stream": True}) as r:
+                results["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+        except httpx.HTTPError as e:
+            results["error"] = e
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.5)
+    os.kill(engine.client.pid, signal.SIGKILL)
+    t.join(timeout=30)
+    assert not t.is_alive(), "the stream hung after the core died"
+    assert "error" in results or any('"error"' in e for e in results["events"]), results
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+    assert r.status_code >= 500 and "engine" in r.json()["error"]["message"]
