@@ -15,6 +15,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "100")
 # scattered 4 KB pieces, each a TLB miss with 4 KB pages (decode attention over 64 x 512 tokens: 12.6-13.8
 # -> 15.3 GB/s; W1 +1.5-2.5% in alternating runs on the 2-core EPYC). Same import-order caveat.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# glibc gives each thread that allocates its own heap arena and keeps freed memory there; a few arenas
+# are enough for our threads. Read at process start: it bounds the engine-core and worker processes.
+os.environ.setdefault("MALLOC_ARENA_MAX", "2")
 
 __version__ = "0.1.0"
 

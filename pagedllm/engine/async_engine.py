@@ -18,6 +18,7 @@ from typing import Any
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
 from pagedllm.engine.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.engine.heap import trim_heap
 from pagedllm.engine.limits import RequestLimits
 from pagedllm.engine.llm_engine import tokenize_prompt
 from pagedllm.engine.output_processor import OutputProcessor
@@ -62,6 +63,8 @@ class AsyncEngine:
             self.client.finish_seq(rid, index, "stop", stop)
         for out in results:
             self._push(out.request_id, out)
+        if results and not self._streams:
+            trim_heap()  # the last stream ended: its outputs' memory goes back to the system
 
     def _on_error(self, e: BaseException) -> None:
         for rid in list(self._streams):

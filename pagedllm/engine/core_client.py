@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.engine.heap import trim_heap
 from pagedllm.executor.base import build_in_child
 
 log = logging.getLogger("pagedllm.core_client")
@@ -47,8 +48,12 @@ def run_core_loop(core, get: Callable[[float | None], tuple | None], reply: Call
                   emit: OnOutputs) -> None:
     """The core's loop: commands first (a failed one answers its caller only), then one step.
     ``get(timeout)`` returns the next command or None; ("stop",) ends the loop."""
+    busy = False
     while True:
-        cmd = get(None if not core.has_unfinished() else 0.0)
+        if busy and not core.has_unfinished():
+            trim_heap()  # idle: what the finished requests freed goes back to the system
+        busy = core.has_unfinished()
+        cmd = get(None if not busy else 0.0)
         if cmd is not None:
             if cmd[0] == "stop":
                 return
