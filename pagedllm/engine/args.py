@@ -63,6 +63,7 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when available, else cpu; the model, KV cache and sampler live there
     distributed_executor_backend: str = "uni"  # uni: the worker in this process; mp: in a child process
     check_integrity: bool = False  # run the pool integrity check after every step
+    speculative_config: str | None = None  # vLLM's dict as JSON: {"method": "ngram", "num_speculative_tokens": 4}
     seed: int = 0
 
     @classmethod

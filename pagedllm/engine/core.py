@@ -20,6 +20,7 @@ from pagedllm.engine.core_io import EngineCoreOutput, EngineCoreRequest, SeqDelt
 from pagedllm.engine.limits import RequestLimits
 from pagedllm.engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedllm.engine.speculation import Proposer, Speculator
 from pagedllm.engine.step_io import Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq, SchedulerOutput
 from pagedllm.executor import Executor, make_executor
 from pagedllm.executor.multiproc import WorkerError
@@ -44,7 +45,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, executor: Executor | None = None) -> None:
+    def __init__(self, args: EngineArgs, executor: Executor | None = None, proposer: Proposer | None = None) -> None:
         self.args = args
         self.executor = executor or make_executor(args)
         spec = self.executor.spec
@@ -58,6 +59,7 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching))
         self.beam = BeamSearch(self)
+        self.speculator = Speculator.from_config(args.speculative_config, proposer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._forks: list[tuple[int, int, int]] = []  # for the next SchedulerOutput
@@ -92,6 +94,8 @@ class EngineCore:
             self._released.append(s.seq_id)
         self.scheduler.remove(req)
         req.metrics.finished_time = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def finish_seq(self, request_id: str, index: int, reason: str = "stop", stop_reason: str | int | None = None) -> None:
         """End one sample early (the front end found a stop string in its text)."""
@@ -132,6 +136,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduler step; returns the outputs of requests that made progress."""
         t0 = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         so = self._worker_step(sched)
         if not sched.chunks:
@@ -192,7 +198,8 @@ class EngineCore:
             so.scheduled.append(ScheduledSeq(
                 seq.seq_id, seq.num_computed, c.num_tokens, new_tokens, keep, new_blocks, c.completes,
                 num_samples=p.n - len(req.seqs) + 1 if first_sample else 1,
-                beam_topk=self.beam.candidates(req) if beam else 0, prompt_logprobs=prompt_lp))
+                beam_topk=self.beam.candidates(req) if beam else 0, prompt_logprobs=prompt_lp,
+                spec_token_ids=list(seq.spec_token_ids) if c.num_spec else []))
         return so
 
     def _update(self, sched: Schedule, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
@@ -206,7 +213,16 @@ class EngineCore:
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed + c.num_tokens) - seq.num_computed)
             self.stats.prompt_tokens_computed += prompt_part
             seq.num_computed += c.num_tokens
-            salt_of(seq.seq_id, seq.token_ids, req.cache_salt, num_computed=seq.num_computed)
+            ids = seq.token_ids
+            if c.num_spec:  # rejected drafts: their KV is not the sequence's; only verified tokens are hashed
+                kept = max(len(out.token_ids) - 1, 0)
+                seq.num_computed -= c.num_spec - kept
+                self.kv.free_tail(seq.seq_id, seq.num_computed)
+                self.speculator.record(seq, c.num_spec, kept)
+                seq.spec_token_ids = []
+                if kept:  # the kept drafts' KV is in the pool before they join token_ids below
+                    ids = ids + out.token_ids[:kept]
+            salt_of(seq.seq_id, ids, req.cache_salt, num_computed=seq.num_computed)
             if out.error is not None:
                 self.abort_request(req.request_id, error=out.error)
                 continue
@@ -214,6 +230,11 @@ class EngineCore:
                 self._output(req).prompt_logprobs = out.prompt_logprobs
             if out.beam_topk is not None:
                 beams.append((seq, out.beam_topk))
+            elif c.num_spec:
+                for tok, lp in zip(out.token_ids, out.logprobs):  # kept drafts, then the target's token
+                    self.append_token(seq, tok, lp, None)
+                    if seq.finished:
+                        break
             elif out.token_ids:
                 self._append_samples(seq, out)
         self.stats.prompt_tokens_cached += sched.num_prefix_hit_tokens
@@ -267,6 +288,8 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         self.stats.num_requests_finished += 1
         self._output(req).finished = True
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
 
     # ------------------------------------------------------------------ outputs
     def _output(self, req: Request) -> EngineCoreOutput:
@@ -329,6 +352,11 @@ class EngineCore:
             "prompt_tokens_cached": self.stats.prompt_tokens_cached,
             "generation_tokens": self.stats.generation_tokens,
             "num_steps": self.stats.num_steps,
+            **({} if self.speculator is None else {
+                "spec_drafts": self.speculator.stats.num_drafts,
+                "spec_accepted": self.speculator.stats.num_accepted,
+                "spec_acceptance_rate": self.speculator.stats.acceptance_rate,
+                "spec_mean_accepted_length": self.speculator.stats.mean_accepted_length}),
         }
 
     def check_integrity(self) -> None:

@@ -48,12 +48,13 @@ class SchedulerConfig:
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int
+    num_tokens: int  # draft tokens included
+    num_spec: int = 0  # the last ``num_spec`` tokens are drafts to verify (speculative decoding)
 
     @property
     def completes(self) -> bool:
         """The chunk reaches the sequence's last token, so the step yields a next-token distribution."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed + self.num_tokens - self.num_spec == self.seq.num_tokens
 
 
 @dataclass
@@ -161,16 +162,22 @@ class Scheduler:
                 continue  # waits for a step with room for all of it
             if n == 0:
                 continue
-            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed + hit, n, prefix):
-                return False
+            spec = seq.spec_token_ids if need == 1 and 1 + len(seq.spec_token_ids) <= budget[0] else []
+            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed + hit, n + len(spec), prefix):
+                # drafts are optional: without them the token may still fit
+                if not spec or not self.kv.allocate_slots(seq.seq_id, seq.num_computed + hit, n, prefix):
+                    seq.spec_token_ids = []
+                    return False
+                spec = []
+            seq.spec_token_ids = spec
             if hit:
                 seq.num_computed += hit
                 req.metrics.num_cached_tokens += hit
                 out.num_prefix_hit_tokens += hit
             seq.status = SequenceStatus.PREFILLING if seq.num_uncomputed > 1 else SequenceStatus.DECODING
-            budget[0] -= n
+            budget[0] -= n + len(spec)
             scheduled.add(seq.seq_id)
-            out.chunks.append(ScheduledChunk(seq, n))
+            out.chunks.append(ScheduledChunk(seq, n + len(spec), len(spec)))
         return True
 
     def _preempt(self, req: Request, out: Schedule, budget: list[int], scheduled: set[int]) -> None:
@@ -182,6 +189,7 @@ class Scheduler:
         live = [s for s in req.seqs if not s.finished]
         for s in live:
             scheduled.discard(s.seq_id)
+            s.spec_token_ids = []
         self.num_preemptions += 1
         out.preempted.append(req)
         # allocations made this step for dropped chunks are released with the sequence

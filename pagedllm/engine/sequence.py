@@ -34,7 +34,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed", "num_sent",
-        "status", "finish_reason", "stop_reason", "cumulative_logprob",
+        "status", "finish_reason", "stop_reason", "cumulative_logprob", "spec_token_ids",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]):
@@ -49,6 +49,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (never hashed)
 
     @property
     def num_tokens(self) -> int:

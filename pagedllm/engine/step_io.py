@@ -44,6 +44,7 @@ class ScheduledSeq:
     num_samples: int = 1  # > 1: a request's first token for n parallel samples (children forked next)
     beam_topk: int = 0  # > 0: return this many top logprobs for beam search instead of sampling
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt position computed in this chunk
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts, the last of num_tokens: verify them
 
 
 @dataclass
@@ -81,7 +82,8 @@ class SeqOutput:
     """What one scheduled sequence produced in a step (nothing for a mid-prompt chunk)."""
 
     seq_id: int
-    token_ids: list[int] = field(default_factory=list)  # one per sample (num_samples), empty: no logits
+    token_ids: list[int] = field(default_factory=list)  # one per sample (num_samples); with drafts: the
+    # accepted drafts then one token from the target; empty: no logits
     logprobs: list[float] = field(default_factory=list)  # of each sampled token
     top_logprobs: Logprobs | None = None  # [num_samples, 1 + k] when the request asked for logprobs
     beam_topk: Logprobs | None = None  # [1, beam_topk] for beam search

@@ -213,6 +213,21 @@ class KVCacheManager:
             table.append(pool.allocate())
         return True
 
+    def free_tail(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Keep only the blocks that hold the first ``num_tokens`` tokens: slots past them (rejected
+        draft tokens) go back to the pool, unhashed."""
+        st = self._seq(seq_id)
+        table = st.table.block_ids
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(table):
+            return
+        for b in reversed(table[keep:]):
+            self._release(b)
+        del table[keep:]
+        del st.hashes[keep:]
+        st.num_registered = min(st.num_registered, keep)
+        st.num_sent = min(st.num_sent, keep)
+
     def take_table_diff(self, seq_id: SeqId) -> tuple[int, list[int]]:
         """What changed in the sequence's table since the last call, for a worker's copy of it:
         ``(keep, new_ids)`` means keep the first ``keep`` entries and append ``new_ids`` (a

@@ -128,9 +128,13 @@ class InputBatch:
             if s.new_block_ids:
                 self.block_table[row, s.table_keep:end] = torch.as_tensor(s.new_block_ids, dtype=torch.int32)
             self.num_blocks[row] = end
-        if s.num_computed + s.num_tokens > int(self.num_tokens[row]):
-            raise ValueError(f"sequence {s.seq_id}: {s.num_computed} + {s.num_tokens} tokens scheduled but the "
-                             f"worker holds {int(self.num_tokens[row])}")
+        held = int(self.num_tokens[row])
+        k = len(s.spec_token_ids)
+        if s.num_computed + s.num_tokens - k > held or held + k > self.max_model_len:
+            raise ValueError(f"sequence {s.seq_id}: {s.num_computed} + {s.num_tokens} tokens scheduled ({k} drafts) "
+                             f"but the worker holds {held}")
+        if k:  # drafts sit past the row's tokens (read as input, not counted as the sequence's own)
+            self.token_ids[row, held:held + k] = torch.as_tensor(s.spec_token_ids, dtype=torch.int64)
         return row
 
     # ---------------------------------------------------------------- step

@@ -19,6 +19,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
 from pagedllm.worker.input_batch import InputBatch, make_generator
 from pagedllm.worker.sampler import Sampler, SamplingBatch
+from pagedllm.worker.spec_verify import verify
 
 log = logging.getLogger("pagedllm.worker")
 
@@ -130,6 +131,7 @@ class Worker:
         pos_of = {i: k for k, i in enumerate(order)}
         last_rows, prompt_spans = [], []  # hidden rows; (scheduled index, first logits row, positions)
         last_of: dict[int, int] = {}  # scheduled index -> logits row of its last token
+        spec_of: dict[int, int] = {}  # scheduled index -> logits row of its last real token (drafts follow)
         for i, s in enumerate(so.scheduled):
             start = qsl[pos_of[i]]
             if s.prompt_logprobs is not None:
@@ -138,7 +140,11 @@ class Worker:
                 if n:
                     prompt_spans.append((i, len(last_rows), n))
                     last_rows += range(start, start + n)
-            if s.needs_logits:
+            k = len(s.spec_token_ids)
+            if k:
+                spec_of[i] = len(last_rows)
+                last_rows += range(start + s.num_tokens - 1 - k, start + s.num_tokens)
+            elif s.needs_logits:
                 last_of[i] = len(last_rows)
                 last_rows.append(start + s.num_tokens - 1)
         outs = [SeqOutput(s.seq_id) for s in so.scheduled]
@@ -168,6 +174,11 @@ class Worker:
                 outs[i].beam_topk = Logprobs(ids[n:n + 1, :kk], vals[n:n + 1, :kk])
         if sample_rows:
             self._sample(so, rows, logits, sample_rows, sample_keys, outs)
+        for i, first in spec_of.items():
+            s, row = so.scheduled[i], rows[i]
+            k = len(s.spec_token_ids)
+            outs[i].token_ids, outs[i].logprobs = verify(logits[first:first + k + 1], s.spec_token_ids,
+                                                         batch.params[row], batch.generators[row])
         return ModelRunnerOutput(outs)
 
     def _sample(self, so: SchedulerOutput, rows: list[int], logits: torch.Tensor, sample_rows: list[int],

@@ -1,0 +1,118 @@
+"""Speculative decoding on the engine core's side: which sequences get drafts this step, how many,
+and what came of them.
+
+A proposer (``pagedllm.spec_decode``: n-gram, suffix, draft model) reads token histories and
+returns draft tokens; the scheduler gives each drafted sequence ``1 + k`` slots in one chunk, the
+worker verifies the drafts in that same forward pass (``worker/spec_verify.py``), and the core keeps
+the accepted ones, releases the rejected ones' slots and hashes only verified tokens. A request
+whose drafts keep failing stops getting them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedllm.engine.sequence import Request, Sequence
+
+MIN_TRIES = 16  # drafts a request gets before its acceptance can switch speculation off
+MIN_ACCEPTANCE = 0.15  # below this fraction of drafts kept, drafting costs more than it saves
+
+
+class Proposer(Protocol):
+    def propose(self, histories: list[list[int]], num_tokens: list[int]) -> list[list[int]]:
+        """Up to ``num_tokens[i]`` draft tokens to follow each history (fewer or none is fine)."""
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0  # sequence-steps that verified drafts
+    num_drafts: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafted sequence gains per step (accepted drafts + the target's own token)."""
+        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class _RequestRecord:
+    drafts: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Speculator:
+    proposer: Proposer
+    num_speculative_tokens: int
+    stats: SpecStats = field(default_factory=SpecStats)
+    _records: dict[str, _RequestRecord] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: str | dict[str, Any] | None, proposer: Proposer | None = None) -> "Speculator | None":
+        """vLLM's ``speculative_config`` (a dict or its JSON text); None: no speculation."""
+        if config is None or config == "":
+            return None
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
+        k = config.get("num_speculative_tokens")
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if proposer is None:
+            from pagedllm.spec_decode import make_proposer
+
+            proposer = make_proposer(config)
+        return cls(proposer, k)
+
+    def eligible(self, seq: Sequence) -> bool:
+        """Drafts only where verification is exact and cheap: one sample, no beam, no penalty or bias
+        (their values would change inside the drafted run), no logprobs asked, not opted out."""
+        p = seq.request.params
+        rec = self._records.get(seq.request.request_id)
+        if rec is not None and rec.drafts >= MIN_TRIES and rec.accepted < MIN_ACCEPTANCE * rec.drafts:
+            return False
+        return (seq.num_uncomputed == 1 and seq.num_output_tokens >= max(p.min_tokens, 1) and p.n == 1
+                and not p.use_beam_search and p.logprobs is None and not p.logit_bias
+                and getattr(p, "structured_outputs", None) is None and getattr(p, "speculative", True)
+                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+    def propose(self, running: list[Request], max_model_len: int) -> None:
+        """Set ``spec_token_ids`` of every eligible running sequence (the scheduler may still drop them)."""
+        seqs, ks = [], []
+        for req in running:
+            for seq in req.seqs:
+                if seq.finished or not self.eligible(seq):
+                    continue
+                p = req.params
+                k = min(self.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                        max_model_len - seq.num_tokens - 1)
+                if k > 0:
+                    seqs.append(seq)
+                    ks.append(k)
+        if not seqs:
+            return
+        drafts = self.proposer.propose([s.token_ids for s in seqs], ks)
+        for seq, k, d in zip(seqs, ks, drafts):
+            seq.spec_token_ids = list(d[:k])
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_drafts += num_drafts
+        self.stats.num_accepted += num_accepted
+        rec = self._records.setdefault(seq.request.request_id, _RequestRecord())
+        rec.drafts += num_drafts
+        rec.accepted += num_accepted
+
+    def forget(self, request_id: str) -> None:
+        self._records.pop(request_id, None)
