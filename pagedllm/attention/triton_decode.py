@@ -1,19 +1,21 @@
-"""CUDA backend: a Triton paged-decode kernel (block-table indirection, GQA), SDPA for prefill.
+"""CUDA backend: a Triton paged-decode kernel (block-table indirection, GQA) and a Triton paged
+prefill kernel for the chunks (``triton_prefill.py``), both reading K/V in place.
 
 Import-safe without triton or CUDA: the kernel is defined only when ``import triton`` works, and
-``TritonBackend()`` raises a clear RuntimeError when it cannot run. One program per
-(decode sequence, kv head) computes all ``group`` query heads of that kv head together, walking
-the sequence's keys ``BLOCK_N`` positions at a time through the block table, with an online
-softmax in fp32. Prefill chunks (after the decodes in the flat batch) use a gather + SDPA per
-chunk, which on a GPU runs flash attention.
+``TritonBackend()`` raises a clear RuntimeError when it cannot run (it runs on the CPU under
+``TRITON_INTERPRET=1``, which is how CI tests it). One program per (decode sequence, kv head)
+computes all ``group`` query heads of that kv head together, walking the sequence's keys
+``BLOCK_N`` positions at a time through the block table, with an online softmax in fp32.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata, write_kv
+from pagedllm.attention.triton_prefill import paged_prefill
 
 try:  # pragma: no cover - exercised only on machines with triton
     import triton
@@ -83,8 +85,9 @@ class TritonBackend:
     def __init__(self, block_n: int = 64) -> None:
         if not HAS_TRITON:
             raise RuntimeError("the 'triton' attention backend needs the triton package (pip install triton)")
-        if not torch.cuda.is_available():
-            raise RuntimeError("the 'triton' attention backend needs a CUDA GPU; use 'cpu' or 'flex' on CPU")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the 'triton' attention backend needs a CUDA GPU (or TRITON_INTERPRET=1, for tests); "
+                               "use 'cpu' or 'flex' on CPU")
         self.block_n = block_n
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -110,19 +113,8 @@ class TritonBackend:
                 GROUP=group, GROUP_PAD=max(2, _next_pow2(group)), D=D, D_PAD=max(16, _next_pow2(D)),
                 BLOCK_N=self.block_n,
             )
-        if nd < meta.num_seqs:  # prefill chunks: gather the context, flash SDPA on the GPU
-            starts = meta.query_start_loc.tolist()
-            for i in range(nd, meta.num_seqs):
-                q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-                n_blocks = (s_len + meta.block_size - 1) // meta.block_size
-                blocks = meta.block_tables[i, :n_blocks].to(q.device).long()
-                slots = (blocks[:, None] * meta.block_size + torch.arange(meta.block_size, device=q.device)).flatten()
-                slots = slots[:s_len]
-                ki = k_cache.index_select(1, slots).to(q.dtype).repeat_interleave(group, 0)
-                vi = v_cache.index_select(1, slots).to(q.dtype).repeat_interleave(group, 0)
-                qi = q[starts[i] : starts[i] + q_len].transpose(0, 1)
-                qpos = torch.arange(s_len - q_len, s_len, device=q.device)[:, None]
-                mask = torch.arange(s_len, device=q.device)[None, :] <= qpos
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
-                out[starts[i] : starts[i] + q_len] = oi.transpose(0, 1)
+        if nd < meta.num_seqs:  # prefill chunks: varlen causal attention over the paged K/V
+            paged_prefill(q, k_cache, v_cache, out, meta.block_tables.to(q.device), meta.query_start_loc.to(q.device),
+                          meta.seq_lens.to(q.device), nd, meta.num_seqs - nd, meta.max_query_len, meta.block_size,
+                          scale)
         return out
