@@ -14,8 +14,12 @@ import os
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, write_kv
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton_prefill import paged_prefill
+from pagedllm.attention.triton_splitk import splitk_decode
+from pagedllm.attention.triton_write import write_kv_fused
+
+SPLITK_MIN_LEN = 1024  # decodes over contexts this long split their keys across programs (flash-decoding)
 
 try:  # pragma: no cover - exercised only on machines with triton
     import triton
@@ -82,19 +86,22 @@ def _next_pow2(x: int) -> int:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, block_n: int = 64) -> None:
+    def __init__(self, block_n: int = 64, splitk_min_len: int = SPLITK_MIN_LEN) -> None:
         if not HAS_TRITON:
             raise RuntimeError("the 'triton' attention backend needs the triton package (pip install triton)")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("the 'triton' attention backend needs a CUDA GPU (or TRITON_INTERPRET=1, for tests); "
                                "use 'cpu' or 'flex' on CPU")
         self.block_n = block_n
+        self.splitk_min_len = splitk_min_len
 
     def prepare(self, meta: AttentionMetadata) -> None:
         return None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        write_kv_fused(k, v, k_cache, v_cache, meta.slot_mapping.to(k.device))
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
@@ -102,7 +109,11 @@ class TritonBackend:
         Hkv = k_cache.shape[0]
         group = H // Hkv
         nd = meta.num_decodes
-        if nd > 0:
+        max_decode_len = max(meta.seq_lens_list[:nd], default=0)
+        if nd > 0 and max_decode_len >= self.splitk_min_len:
+            splitk_decode(q, k_cache, v_cache, out, meta.block_tables.to(q.device), meta.seq_lens.to(q.device), nd,
+                          max_decode_len, meta.block_size, scale)
+        elif nd > 0:
             bt = meta.block_tables.to(q.device)
             sl = meta.seq_lens.to(q.device)
             _paged_decode_kernel[(nd, Hkv)](

@@ -22,14 +22,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "long-decode-splitk"])
 def test_triton_matches_reference(case, dtype):
-    query_lens, seq_lens = CASES[case]
+    query_lens, seq_lens = CASES.get(case, ([1, 1, 3], [700, 40, 3]))
     b = make_random_batch(query_lens, seq_lens, head_dim=32, dtype=dtype)
     kc_r, vc_r = b.k_cache.clone(), b.v_cache.clone()
     want = ReferenceBackend().forward(b.q, b.k, b.v, kc_r, vc_r, b.meta, b.scale)
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
-    backend = get_backend("triton")
+    backend = get_backend("triton", splitk_min_len=512)  # split-K for the 700-token decode (3 splits)
     backend.prepare(b.meta)
     got = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale)
     assert torch.equal(kc, kc_r) and torch.equal(vc, vc_r), "new K/V not written to the pool"
