@@ -11,8 +11,12 @@ import xgrammar as xgr
 class GrammarState:
     """One sequence's position in its grammar."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar):
-        self._matcher = xgr.GrammarMatcher(compiled)  # rollback depth is unlimited
+    def __init__(self, compiled: xgr.CompiledGrammar | None = None, *, matcher: xgr.GrammarMatcher | None = None):
+        self._matcher = matcher if matcher is not None else xgr.GrammarMatcher(compiled)  # unlimited rollback
+
+    def fork(self) -> "GrammarState":
+        """An independent copy at the same position (a parallel sample forked from this sequence)."""
+        return GrammarState(matcher=self._matcher.fork())
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32 words, one bit per token)."""

@@ -155,3 +155,25 @@ def test_uncompilable_specs_are_value_errors(compiler, spec, field):
     with pytest.raises(ValueError, match=f"structured_outputs.{field}"):
         compiler.compile(StructuredOutputsParams(**spec))
 
+
+
+def test_manager_masks_only_structured_rows_and_forks(tokenizer):
+    """The engine's view: rows keyed by sequence id; a fork continues from the parent's position."""
+    from pagedllm.structured.manager import StructuredOutputManager
+
+    mgr = StructuredOutputManager(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    mgr.add("a", StructuredOutputsParams(choice=["yes", "no"]))
+    logits = torch.zeros(3, len(tokenizer))
+    mgr.mask(logits, ["free", "a", "other"])
+    assert torch.equal(logits[[0, 2]], torch.zeros(2, len(tokenizer)))
+    allowed = set(torch.nonzero(logits[1] == 0).flatten().tolist())
+    yes, no = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    assert {yes, no} <= allowed and len(allowed) < 10
+    assert mgr.accept(["free", "a"], [5, yes]) == []
+    mgr.fork("a", "b")
+    assert mgr.accept(["b"], [no]) == ["b"], "the fork is past 'yes': 'no' cannot follow"
+    assert mgr.accept(["b"], [tokenizer.eos_token_id]) == [] and mgr.states["b"].is_terminated()
+    assert not mgr.states["a"].is_terminated()
+    mgr.free("a")
+    assert "a" not in mgr.states
+
