@@ -40,9 +40,13 @@ class ToolPlan:
         return self.structured is not None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished output."""
+        """(content, tool calls) of a finished output; text a forced call's grammar did not shape (cut
+        by a stop string) stays content."""
         if self.forced:
-            return None, forced_tool_calls(text, self.choice)
+            try:
+                return None, forced_tool_calls(text, self.choice)
+            except (ValueError, KeyError, TypeError):
+                return text, []
         if self.parser is not None:
             return self.parser.extract(text)
         return text, []

@@ -145,3 +145,8 @@ def test_tool_choice_parses_named_object():
     assert isinstance(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "g"}}).tool_choice,
                       NamedToolChoice)
     assert isinstance(chat(tools=[WEATHER]).tools[0], Tool)
+
+
+def test_forced_output_that_is_not_json_stays_content():
+    plan = ToolPlan.from_request(chat(tools=[WEATHER], tool_choice="required"), None)
+    assert plan.parse("not json") == ("not json", [])
