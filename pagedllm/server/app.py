@@ -193,9 +193,10 @@ class OpenAIServing:
                 t.cancel()
 
     @staticmethod
-    def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
+    def usage(prompts: list[list[int]], finals: dict[int, RequestOutput], generated: bool = True) -> Usage:
+        """``generated=False``: the sampled tokens were dropped (completions with max_tokens 0)."""
         prompt = sum(map(len, prompts))
-        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
+        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs) if generated else 0
         cached = sum(out.num_cached_tokens for out in finals.values())
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -276,7 +277,7 @@ class OpenAIServing:
             finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
             choices = [choice(i, Delta.whole(o), i * n + o.index, finals[i]) for i in sorted(finals)
                        for o in finals[i].outputs]
-            return JSONResponse(response(choices, self.usage(ids, finals)).model_dump())
+            return JSONResponse(response(choices, self.usage(ids, finals, body.max_tokens > 0)).model_dump())
 
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
@@ -293,7 +294,7 @@ class OpenAIServing:
                 if choices:
                     yield response(choices)
             if body.include_usage:
-                yield response([], self.usage(ids, finals))
+                yield response([], self.usage(ids, finals, body.max_tokens > 0))
 
         return self.sse(chunks())
 

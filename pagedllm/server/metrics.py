@@ -91,12 +91,12 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
-        if m.ttft is not None:
-            self.ttft.observe(m.ttft)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
+        for ttft, e2e in ((self.ttft, self.e2e), (self.vllm.ttft, self.vllm.e2e)):  # ours and vLLM's names
+            if m.ttft is not None:
+                ttft.observe(m.ttft)
+            if m.finished_time is not None:
+                e2e.observe(m.finished_time - m.arrival_time)
         self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
-        self.vllm.observe_finished(out)
 
     def render(self, snapshot: dict) -> bytes:
         """Prometheus text for this registry, with engine metrics from ``snapshot`` (pool_stats())."""

@@ -137,6 +137,7 @@ def test_truncate_prompt_tokens_and_echo_without_generation(client, model, tool_
     assert r.usage.prompt_tokens == 3
     r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=0, echo=True)
     assert r.choices[0].text == "The capital of France is" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 0
 
 
 @pytest.mark.parametrize("body, param", [
