@@ -12,11 +12,11 @@ from pagedllm.engine.args import EngineArgs
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate per reply")
     g.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--repetition-penalty", type=float, default=1.1)
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: smallest set with this mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.1, help="divide repeated tokens' logits (1: off)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -107,8 +107,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.server import create_app
 
+    chat_template = args.chat_template
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    if args.model_tag is not None:  # vLLM's `serve MODEL`
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     engine = AsyncEngine(EngineArgs.from_namespace(args))
-    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name)
+    app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
+                     stats_interval_s=args.stats_interval or None, allow_unknown_fields=args.allow_unknown_fields,
+                     tool_call_parser=args.tool_call_parser, chat_template=chat_template)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -135,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve,bench}")
 
     p = sub.add_parser("generate", help="generate once from a prompt, streaming to the terminal")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt text")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the model's chat template as a user turn")
     _add_sampling_args(p, max_tokens=64)
@@ -149,11 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="GGUF file or HF directory to serve (same as --model; default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model's)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file or the template text) replacing the model's, e.g. "
+                        "pagedllm/server/chat_templates/hermes_tools.jinja to offer tools")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="parse tool calls out of outputs (needed for tool_choice 'auto'); hermes: <tool_call> JSON")
+    p.add_argument("--allow-unknown-fields", action="store_true",
+                   help="log a warning for unknown request fields instead of answering 400")
+    p.add_argument("--stats-interval", type=float, default=10.0,
+                   help="seconds between stats lines in the log (0: none)")
     EngineArgs.add_cli_args(p.add_argument_group("engine"))
     p.set_defaults(func=cmd_serve)
 

@@ -10,9 +10,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.prompt_inputs import PromptInput, normalize_prompts
 from pagedllm.engine.sampling_params import SamplingParams
-
-Prompt = str | list[int]
 
 
 class LLM:
@@ -24,7 +23,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: PromptInput | Seq[PromptInput],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
@@ -34,9 +33,7 @@ class LLM:
         All prompts and settings are validated before any is scheduled, so a bad one raises
         ValueError and nothing runs.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = normalize_prompts(prompts)
         if not prompts:
             raise ValueError("prompts must not be empty")
         params = sampling_params or SamplingParams()

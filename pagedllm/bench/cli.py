@@ -27,6 +27,7 @@ BENCHES = {
     "compare": "W1 on this checkout vs a git revision (--rev), alternating fresh processes: the new/old ratio",
     "alloc": "block manager microbenchmark",
     "attention": "attention backend microbenchmark",
+    "structured": "grammar mask + accept per decode step vs the step itself (JSON schemas, batch 1..64)",
 }
 
 

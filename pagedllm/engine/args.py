@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.engine.args_help import ENGINE_FLAG_HELP, SIZE_FIELDS, parse_size
 from pagedllm.models.layers import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -68,16 +69,19 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One flag per field (``--max-num-seqs``), typed from the defaults."""
+        """One flag per field (``--max-num-seqs``), typed from the defaults; byte sizes take units."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            helptext = ENGINE_FLAG_HELP[f.name]
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+            elif f.name in SIZE_FIELDS:
+                parser.add_argument(flag, type=parse_size, default=f.default, help=helptext)
             elif f.name in ("model",):
-                parser.add_argument(flag, default=f.default, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+                parser.add_argument(flag, default=f.default, help=helptext)
             else:
                 kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-                parser.add_argument(flag, type=kind, default=f.default)
+                parser.add_argument(flag, type=kind, default=f.default, help=helptext)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":

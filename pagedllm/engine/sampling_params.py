@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.structured import StructuredOutputsParams
 
 MAX_N = 16  # upper bound on parallel samples / beam width per request
 
@@ -26,12 +30,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
-    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the prompt is computed, not cached)
-    logit_bias: dict[int, float] | None = None  # added to the logits of those token ids before sampling
     use_beam_search: bool = False
     beam_width: int = 4
     length_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a grammar
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the first is None)
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,12 +77,34 @@ class SamplingParams:
              f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
-        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-            isinstance(t, int) and isinstance(b, (int, float)) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
-             f"logit_bias must map token ids to biases in [-100, 100], got {self.logit_bias!r}")
         if self.use_beam_search:
             need(isinstance(self.beam_width, int) and 2 <= self.beam_width <= MAX_N,
                  f"beam_width must be an integer in [2, {MAX_N}], got {self.beam_width!r}")
             need(self.n <= self.beam_width, f"n ({self.n}) must not exceed beam_width ({self.beam_width})")
+        self._validate_extras(need)
+
+    def _validate_extras(self, need) -> None:
+        """The vLLM extras: structured outputs, logit bias, prompt logprobs, best_of, truncation."""
+        if self.structured_outputs is not None:
+            from pagedllm.structured import StructuredOutputsParams
+
+            need(isinstance(self.structured_outputs, StructuredOutputsParams),
+                 f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+            need(not self.use_beam_search, "structured_outputs cannot be combined with beam search")
+        if self.logit_bias is not None:
+            need(isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+                f"logit_bias keys must be non-negative token ids, got {self.logit_bias!r}")
+            need(all(isinstance(v, (int, float)) and -100 <= v <= 100 for v in self.logit_bias.values()),
+                 f"logit_bias values must be numbers in [-100, 100], got {self.logit_bias!r}")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        need(isinstance(self.include_stop_str_in_output, bool),
+             f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
+        need(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
+                                                     and self.truncate_prompt_tokens >= 1),
+             f"truncate_prompt_tokens must be a positive integer, got {self.truncate_prompt_tokens!r}")
+        if self.best_of is not None:
+            need(isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_N,
+                 f"best_of must be an integer in [n, {MAX_N}] (n={self.n}), got {self.best_of!r}")
+            need(not self.use_beam_search, "best_of cannot be combined with beam search (use beam_width)")

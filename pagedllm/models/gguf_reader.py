@@ -134,6 +134,25 @@ def _hf_config(meta: _Meta, arch: str, tied: bool) -> PretrainedConfig:
     )
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """The file's reader; a file that is not a GGUF, or is cut short or corrupt, is a ValueError naming
+    the file and what is wrong (gguf's own errors name neither)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    size = os.path.getsize(path)
+    if head != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file: it starts with {head!r}, not the magic {GGUF_MAGIC!r}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as e:
+        raise ValueError(f"GGUF {path} is truncated or corrupt ({size} bytes): its header, tensor table or "
+                         f"tensor data do not fit the file ({type(e).__name__}: {e})") from e
+    return reader
+
+
 def read_gguf(path: str) -> tuple[PretrainedConfig, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """Dequantize every tensor of a Llama/Qwen2/Qwen3 GGUF to float32 under its HF name; also return the
     matrices stored in a block format the kernels read (Q4_1, Q8_0) still quantized, in HF row order.
@@ -141,7 +160,7 @@ def read_gguf(path: str) -> tuple[PretrainedConfig, dict[str, torch.Tensor], dic
     Checks architecture and quantization types before any dequantization so that bad files fail
     in milliseconds, with the supported options in the message.
     """
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     meta = _Meta(reader, path)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:

@@ -10,6 +10,7 @@ their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -27,7 +28,8 @@ from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.llm import apply_chat_template
+from pagedllm.server.chat_tools import ToolPlan, render_chat, template_messages
+from pagedllm.server.echo_logprobs import prompt_completion_logprobs
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
@@ -35,6 +37,11 @@ from pagedllm.server.protocol import (
     CompletionResponse, Delta, DeltaMessage, DeltaTracker, ErrorInfo, ErrorResponse, ModelCard, ModelList,
     PromptTokensDetails, SamplingRequest, TopLogprob, Usage,
 )
+from pagedllm.server.request_extras import check_unknown_fields
+from pagedllm.server.routes_utility import router as utility_router
+from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
+from pagedllm.server.tool_calls import get_tool_parser
+from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
 
 log = logging.getLogger("pagedllm.server")
 
@@ -77,11 +84,17 @@ class APIKeyMiddleware:
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 allow_unknown_fields: bool = False, tool_call_parser: str | None = None,
+                 chat_template: str | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self.allow_unknown_fields = allow_unknown_fields
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.chat_template = chat_template
+        self.grammars = GrammarCompiler(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
 
     # ------------------------------------------------------------------ admission
     def check_model(self, body: SamplingRequest) -> None:
@@ -90,28 +103,49 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     async def admit(self, body: SamplingRequest, tokenize: Callable[[AsyncEngine], list[list[int]]],
-                    max_tokens: int | None, logprobs: int | None) -> tuple[list[list[int]], SamplingParams]:
+                    max_tokens: int | None, logprobs: int | None, structured: StructuredOutputsParams | None = None,
+                    prompt_logprobs: int | None = None) -> tuple[list[list[int]], SamplingParams]:
         """Tokenize and validate every prompt here, in the front end (off the event loop); ``max_tokens=None``
-        means as many as fit."""
+        means as many as fit.
+
+        ``structured`` (a forced tool call's grammar) stands in for the request's own constraint."""
+        try:
+            check_unknown_fields(body, self.allow_unknown_fields)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(": ", 1)[1].split(",")[0]) from e
 
         def run(eng: AsyncEngine) -> tuple[list[list[int]], SamplingParams]:
+            extras = body.extra_sampling_kwargs(eng.limits.vocab_size)
+            if structured is not None:
+                if extras["structured_outputs"] is not None:
+                    raise ValueError("tool_choice forces a tool call, which conflicts with response_format "
+                                     "and the structured-output fields")
+                extras["structured_outputs"] = structured
             ids = tokenize(eng)
+            if body.truncate_prompt_tokens is not None:
+                ids = [p[-body.truncate_prompt_tokens:] for p in ids]
             limit = max_tokens
             if limit is None:  # the most the context and (for all n samples) the pool can take
                 longest = max(map(len, ids))
                 lim = eng.limits
                 per_sample = (lim.num_blocks * lim.block_size - longest) // max(body.n, 1) - lim.block_size
                 limit = max(1, min(eng.max_model_len - longest, per_sample))
-            params = body.sampling_params(limit, logprobs)
+            params = dataclasses.replace(body.sampling_params(limit, logprobs), prompt_logprobs=prompt_logprobs,
+                                         **extras)
+            if params.structured_outputs is not None:
+                self.grammars.compile(params.structured_outputs)
             for prompt_ids in ids:
                 eng.validate(prompt_ids, params)
+            if max_tokens is not None and max(map(len, ids)) + max_tokens > eng.max_model_len:
+                raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({max(map(len, ids))} tokens) "
+                                 f"exceeds the context limit (max_model_len {eng.max_model_len})")
             return ids, params
 
         self.check_model(body)
         try:
             return await asyncio.to_thread(run, self.engine)
         except ValueError as e:
-            word = str(e).split(" ", 1)[0]
+            word = str(e).split(" ", 1)[0].split(".")[0].rstrip(":")
             raise APIError(400, str(e), param=word if word in type(body).model_fields else None) from e
 
     # ------------------------------------------------------------------ running
@@ -130,7 +164,7 @@ class OpenAIServing:
                 async for out in self.engine.generate(ids, params, f"{request_id}-{i}", cache_salt):
                     now = time.monotonic()
                     if last is not None:
-                        self.metrics.inter_token.observe(now - last)
+                        self.metrics.observe_inter_token(now - last)
                     last = now
                     if out.finished:
                         self.metrics.observe_finished(out)
@@ -159,9 +193,10 @@ class OpenAIServing:
                 t.cancel()
 
     @staticmethod
-    def usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> Usage:
+    def usage(prompts: list[list[int]], finals: dict[int, RequestOutput], generated: bool = True) -> Usage:
+        """``generated=False``: the sampled tokens were dropped (completions with max_tokens 0)."""
         prompt = sum(map(len, prompts))
-        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
+        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs) if generated else 0
         cached = sum(out.num_cached_tokens for out in finals.values())
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -192,26 +227,46 @@ class OpenAIServing:
                 TopLogprob(**top(t, v)) for t, v in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]])
             for tid, entry in zip(d.token_ids, d.logprobs or [])])
 
+    @staticmethod
+    def prompt_logprobs(out: RequestOutput) -> list[dict[int, float] | None]:
+        got = getattr(out, "prompt_logprobs", None)
+        if got is None:
+            raise RuntimeError("the engine returned no prompt logprobs (SamplingParams.prompt_logprobs)")
+        return got
+
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         if not prompts or any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
-                           param="echo")
-        ids, params = await self.admit(body, lambda eng: [eng.tokenize(p)[1] for p in prompts], body.max_tokens,
-                                       body.logprobs)
-        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 is only meaningful with echo (to score the prompt)", param="max_tokens")
+        # echo + logprobs scores the prompt too (lm-eval's loglikelihood); max_tokens 0 generates one token
+        # and drops it
+        scores_prompt = body.echo and body.logprobs is not None
+        ids, params = await self.admit(body, lambda eng: [eng.tokenize(p)[1] for p in prompts],
+                                       max(body.max_tokens, 1), body.logprobs,
+                                       prompt_logprobs=body.logprobs if scores_prompt else None)
+        if body.echo:
+            echo = [p if isinstance(p, str) and not scores_prompt else "".join(map(self.token_text, ids[i]))
+                    for i, p in enumerate(prompts)]
+        else:
+            echo = None
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), params.n
         offsets: dict[int, int] = {}  # per choice: characters emitted so far (for text_offset)
 
-        def choice(i: int, d: Delta, index: int) -> CompletionChoice:
+        def choice(i: int, d: Delta, index: int, out: RequestOutput) -> CompletionChoice:
+            if body.max_tokens == 0:
+                d = Delta("", [], [], d.finish_reason and "length", None)
             prefix = echo[i] if echo is not None and index not in offsets else ""
             start = offsets.get(index, len(prefix))
             lp = self.completion_logprobs(d, start) if params.logprobs is not None else None
             offsets[index] = start + sum(map(len, lp.tokens)) if lp else start
+            if prefix and lp is not None:  # the prompt's logprobs come first, as the echoed text does
+                head = prompt_completion_logprobs(ids[i], self.prompt_logprobs(out), self.token_text)
+                lp = CompletionLogprobs(**{k: getattr(head, k) + getattr(lp, k)
+                                           for k in CompletionLogprobs.model_fields})
             return CompletionChoice(index=index, text=prefix + d.text, logprobs=lp, finish_reason=d.finish_reason,
                                     stop_reason=d.stop_reason)
 
@@ -220,8 +275,9 @@ class OpenAIServing:
 
         if not body.stream:
             finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
-            choices = [choice(i, Delta.whole(o), i * n + o.index) for i in sorted(finals) for o in finals[i].outputs]
-            return JSONResponse(response(choices, self.usage(ids, finals)).model_dump())
+            choices = [choice(i, Delta.whole(o), i * n + o.index, finals[i]) for i in sorted(finals)
+                       for o in finals[i].outputs]
+            return JSONResponse(response(choices, self.usage(ids, finals, body.max_tokens > 0)).model_dump())
 
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
@@ -234,24 +290,27 @@ class OpenAIServing:
                     index = i * n + o.index
                     d = trackers.setdefault(index, DeltaTracker(params.stop)).advance(o)
                     if d is not None and (d.text or d.token_ids or d.finish_reason):
-                        choices.append(choice(i, d, index))
+                        choices.append(choice(i, d, index, out))
                 if choices:
                     yield response(choices)
             if body.include_usage:
-                yield response([], self.usage(ids, finals))
+                yield response([], self.usage(ids, finals, body.max_tokens > 0))
 
         return self.sse(chunks())
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        # templates know system/user/assistant/tool; OpenAI's "developer" is the new name for system
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
+        try:
+            plan = ToolPlan.from_request(body, self.tool_parser)
+            messages = template_messages(body.messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        ids, params = await self.admit(body, lambda eng: [apply_chat_template(eng.tokenizer, messages)], max_tokens,
-                                       top_n if body.logprobs else None)
+        ids, params = await self.admit(
+            body, lambda eng: [render_chat(eng.tokenizer, messages, plan.tools, self.chat_template)], max_tokens,
+            top_n if body.logprobs else None, structured=plan.structured)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(d: Delta) -> ChatLogprobs | None:
@@ -261,9 +320,12 @@ class OpenAIServing:
             final = None
             async for _, out in self.run(request, ids, params, rid, body.cache_salt):
                 final = out
-            choices = [ChatChoice(index=o.index, message=ChatResponseMessage(content=o.text),
-                                  logprobs=logprobs(Delta.whole(o)),
-                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in final.outputs]
+            choices = []
+            for o in final.outputs:
+                content, calls = plan.parse(o.text) if o.finish_reason != "length" else (o.text, [])
+                choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                                          logprobs=logprobs(Delta.whole(o)), stop_reason=o.stop_reason,
+                                          finish_reason="tool_calls" if calls else o.finish_reason))
             resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                           usage=self.usage(ids, {0: final}))
             return JSONResponse(resp.model_dump())
@@ -275,15 +337,22 @@ class OpenAIServing:
             yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
                          for j in range(params.n)])
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
+            streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
             final = None
             async for _, out in self.run(request, ids, params, rid, body.cache_salt):
                 final = out
                 choices = []
                 for o in out.outputs:
                     d = trackers[o.index].advance(o)
-                    if d is not None and (d.text or d.token_ids or d.finish_reason):
-                        choices.append(ChatChunkChoice(index=o.index, delta=DeltaMessage(content=d.text),
-                                                       logprobs=logprobs(d), finish_reason=d.finish_reason))
+                    if d is None or not (d.text or d.token_ids or d.finish_reason):
+                        continue
+                    delta, reason = DeltaMessage(content=d.text), d.finish_reason
+                    if streamers is not None:  # the text goes through the tool-call parser
+                        text, calls = streamers[o.index].advance(o.text, d.finish_reason is not None)
+                        delta = DeltaMessage(content=text or None, tool_calls=calls or None)
+                        reason = "tool_calls" if reason and streamers[o.index].calls_sent else reason
+                    choices.append(ChatChunkChoice(index=o.index, delta=delta, logprobs=logprobs(d),
+                                                   finish_reason=reason))
                 if choices:
                     yield chunk(choices)
             if body.include_usage:
@@ -382,17 +451,23 @@ async def _server_error(_: Request, e: Exception) -> JSONResponse:
     return error_response(500, ErrorInfo(message=f"internal error: {e}", type="server_error"))
 
 
-def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
-    """The server app over ``engine``; ``api_key`` guards /v1/*; the model is served under ``served_model_name``."""
-    app = FastAPI(title="pagedllm", version=__version__)
+def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
+               stats_interval_s: float | None = DEFAULT_INTERVAL_S, **serving_options) -> FastAPI:
+    """The server app over ``engine``; ``api_key`` guards /v1/*; the model is served under ``served_model_name``;
+    ``serving_options`` (allow_unknown_fields, tool_call_parser, chat_template) go to ``OpenAIServing``;
+    a stats line is logged every ``stats_interval_s`` (None: never)."""
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=stats_lifespan(engine, stats_interval_s))
     app.state.engine = engine
-    app.state.metrics = ServerMetrics()
-    app.state.serving = OpenAIServing(engine, served_model_name or engine.model_name, app.state.metrics)
+    model_name = served_model_name or engine.model_name
+    app.state.metrics = ServerMetrics(model_name)
+    app.state.serving = OpenAIServing(engine, model_name, app.state.metrics,
+                                      **serving_options)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.include_router(router)
+    app.include_router(utility_router)
     try:
         from pagedllm.server.dashboard import router as dashboard_router
     except ModuleNotFoundError as e:  # the dashboard is optional; anything else wrong in it should surface

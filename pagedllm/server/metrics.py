@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedllm.engine.outputs import RequestOutput
+from pagedllm.server.vllm_metrics import VLLMMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -65,7 +66,7 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         disable_created_metrics()  # process-wide: the *_created series only double the scrape
         self.registry = CollectorRegistry()
         self._engine = _EngineCollector()
@@ -82,16 +83,23 @@ class ServerMetrics:
         self.aborted = Counter("pagedllm_request_aborted",
                                "Engine requests dropped unfinished (client went away, or the engine failed).",
                                registry=self.registry)
+        self.vllm = VLLMMetrics(self.registry, model_name)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token.observe(seconds)
+        self.vllm.inter_token.observe(seconds)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
-        if m.ttft is not None:
-            self.ttft.observe(m.ttft)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
+        for ttft, e2e in ((self.ttft, self.e2e), (self.vllm.ttft, self.vllm.e2e)):  # ours and vLLM's names
+            if m.ttft is not None:
+                ttft.observe(m.ttft)
+            if m.finished_time is not None:
+                e2e.observe(m.finished_time - m.arrival_time)
         self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
 
     def render(self, snapshot: dict) -> bytes:
         """Prometheus text for this registry, with engine metrics from ``snapshot`` (pool_stats())."""
         self._engine.snapshot = snapshot
+        self.vllm.snapshot = snapshot
         return generate_latest(self.registry)

@@ -11,19 +11,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.engine.outputs import CompletionOutput
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.server.request_extras import SamplingExtras
+from pagedllm.server.tool_calls import DeltaToolCall, Tool, ToolCall, ToolChoice
 
 
 # ----------------------------------------------------------------------------- requests
 class _Request(BaseModel):
-    # Unknown fields (logit_bias, suffix, ...) are ignored as vLLM does; known ones are type-checked strictly.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are kept in model_extra and refused by the server (request_extras.check_unknown_fields);
+    # known ones are type-checked strictly.
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(SamplingExtras, _Request):
     """Fields both endpoints share: OpenAI's plus vLLM's sampling extras."""
 
     model: str | None = None
@@ -76,6 +79,9 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, rendered by the chat template
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -89,6 +95,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
 
 
 # ----------------------------------------------------------------------------- responses
@@ -156,7 +165,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -179,6 +189,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

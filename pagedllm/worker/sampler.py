@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.engine.logit_bias import apply_logit_bias
 from pagedllm.engine.sampling_params import SamplingParams
 
 
@@ -59,20 +60,6 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
 
 
-def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """OpenAI ``logit_bias``: add each row's {token: bias} (one scatter for the batch)."""
-    rows, cols, vals = [], [], []
-    for i, p in enumerate(params):
-        for tok, bias in (getattr(p, "logit_bias", None) or {}).items():
-            rows.append(i)
-            cols.append(int(tok))
-            vals.append(float(bias))
-    if not rows:
-        return logits
-    return logits.index_put((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals, dtype=logits.dtype),
-                            accumulate=True)
-
-
 def suppress_stop_tokens(logits: torch.Tensor, batch: SamplingBatch, eos_ids: list[int]) -> torch.Tensor:
     """min_tokens: stop tokens cannot be sampled before a sequence has that many outputs."""
     rows, cols = [], []
@@ -106,7 +93,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         params = batch.params
-        logits = apply_logit_bias(logits.float(), params)
+        logits = logits.float().clone() if any(p.logit_bias for p in params) else logits.float()
+        apply_logit_bias(logits, [p.logit_bias for p in params])
         logits = apply_penalties(logits, batch)
         logits = suppress_stop_tokens(logits, batch, self.eos_token_ids)
         vocab = logits.shape[1]

@@ -23,6 +23,7 @@ TINY = {
                 "--chat-turns", "32,48"],
     "alloc": [],
     "attention": [],
+    "structured": ["--batch-sizes", "2", "--steps", "3"],
 }
 
 
@@ -236,3 +237,9 @@ def test_context(outdir, capsys):
 def test_external(name, outdir, capsys):
     d = run_bench(name, outdir, capsys)
     assert d["result"]
+
+
+def test_structured(outdir, capsys):
+    r = run_bench("structured", outdir, capsys)["result"]
+    assert r["batch_sizes"] == [2] and len(r["overhead"]) == 1
+    assert r["ms"]["structured (mask + accept)"][0] > 0 and r["ms"]["decode step"][0] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -25,9 +26,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    """Small pool and context (cheap over-limit cases), integrity check after every step, API key on."""
+@contextmanager
+def live_server(**app_options):
+    """A uvicorn server over a fresh engine on loopback: small pool and context (cheap over-limit cases),
+    integrity check after every step, API key on; ``app_options`` go to ``create_app``."""
     import uvicorn
 
     from pagedllm.engine.args import EngineArgs
@@ -37,15 +39,23 @@ def server():
     engine = AsyncEngine(EngineArgs(kv_cache_memory=256 << 20, max_num_seqs=16, max_model_len=1024,
                                     check_integrity=True))
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY), host="127.0.0.1", port=port,
-                                        log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY, **app_options), host="127.0.0.1",
+                                        port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not srv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
-    yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, engine)
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, engine)
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server() as srv:
+        yield srv

@@ -149,7 +149,11 @@ BAD_REQUESTS = [
     ("n zero", "/v1/chat/completions", {"messages": CHAT, "n": 0}, "n"),
     ("bad top_p", "/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, "prompt"),
-    ("echo with logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("unsupported field", "/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("misspelled field", "/v1/chat/completions", {"messages": CHAT, "temprature": 0.5}, "temprature"),
+    ("unknown nested field", "/v1/chat/completions", {"messages": [{**CHAT[0], "colour": 1}]}, "messages[0].colour"),
+    ("prompt + max_tokens past the context", "/v1/completions", {"prompt": [1] * 1000, "max_tokens": 50},
+     "max_tokens"),
 ]
 
 

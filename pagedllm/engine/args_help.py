@@ -1,0 +1,43 @@
+"""Help text for every engine flag, and sizes with units (``4GiB``) for the byte-valued ones."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+ENGINE_FLAG_HELP = {
+    "model": "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
+    "dtype": "weights and activations dtype: auto (bf16 where the CPU has native bf16, else fp32), float32, "
+             "bfloat16, float16",
+    "kv_cache_dtype": "KV cache dtype (auto: same as --dtype)",
+    "quantization": "auto, none, gguf (keep a GGUF's Q4_1/Q8_0 blocks, exact) or gguf-a8 (int8 activations, faster)",
+    "block_size": "tokens per KV block",
+    "kv_cache_memory": "bytes for the KV pool, units allowed (4GiB, 512MB); default: --kv-cache-fraction of free memory",
+    "kv_cache_fraction": "fraction of free memory for the KV pool when --kv-cache-memory is not given",
+    "num_blocks": "exact number of KV blocks (overrides the memory settings)",
+    "swap_space": "bytes of host memory for preemption by swap, units allowed (e.g. 2GiB); 0: none",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes together)",
+    "max_model_len": "context limit in tokens (default: the model's)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts across steps so decodes keep running",
+    "preemption_mode": "what frees blocks under memory pressure: recompute or swap",
+    "scheduling_policy": "admission order: fcfs or lpm (longest prefix match first)",
+    "batching": "continuous (admit every step) or static",
+    "attention_backend": "auto, cpu, reference, flex or triton",
+    "check_integrity": "verify the KV pool's bookkeeping after every step (slow; for debugging)",
+    "seed": "random seed of the engine",
+}
+
+SIZE_FIELDS = ("kv_cache_memory", "swap_space")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4GiB``, ``512MB``, ``1.5g`` or a plain number (argparse type: errors name the value)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a number of bytes or units like 4GiB, 512MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -1,0 +1,121 @@
+"""How one chat request uses tools: what the template renders, which grammar forces a call, and
+how the output becomes ``tool_calls`` (whole, or as streamed deltas)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pagedllm.server.tool_calls import (
+    DeltaFunctionCall, DeltaToolCall, HermesToolParser, ToolCall, ToolChoice, forced_tool_calls,
+    tool_choice_grammar,
+)
+from pagedllm.structured import StructuredOutputsParams
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict] | None  # what the chat template renders (None: no tools offered)
+    choice: ToolChoice
+    structured: StructuredOutputsParams | None  # the grammar a named/required choice imposes
+    parser: HermesToolParser | None  # parses "auto" outputs
+
+    @classmethod
+    def from_request(cls, body, parser: HermesToolParser | None) -> "ToolPlan":
+        """ValueError naming the field for an impossible combination."""
+        choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+        if not body.tools:
+            if choice != "none":
+                raise ValueError(f"tool_choice {choice!r} needs tools")
+            return cls(None, "none", None, None)
+        if choice == "none":
+            return cls(None, "none", None, None)
+        if choice == "auto" and parser is None:
+            raise ValueError("tool_choice 'auto' needs the server started with --tool-call-parser (e.g. hermes)")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        return cls(tools, choice, tool_choice_grammar(body.tools, choice), parser if choice == "auto" else None)
+
+    @property
+    def forced(self) -> bool:
+        return self.structured is not None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished output; text a forced call's grammar did not shape (cut
+        by a stop string) stays content."""
+        if self.forced:
+            try:
+                return None, forced_tool_calls(text, self.choice)
+            except (ValueError, KeyError, TypeError):
+                return text, []
+        if self.parser is not None:
+            return self.parser.extract(text)
+        return text, []
+
+    def streamer(self) -> "PlanStreamer":
+        return PlanStreamer(self)
+
+
+class PlanStreamer:
+    """Deltas of one streamed choice: forced calls are sent whole when the output ends; "auto"
+    outputs go through the parser's streamer."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.inner = plan.parser.stream() if plan.parser is not None else None
+        self.forced_sent = 0
+
+    @property
+    def calls_sent(self) -> int:
+        return self.inner.calls_sent if self.inner is not None else self.forced_sent
+
+    def advance(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        if self.inner is not None:
+            return self.inner.advance(text, finished)
+        if not finished:
+            return "", []
+        _, calls = self.plan.parse(text)
+        self.forced_sent = len(calls)
+        return "", [DeltaToolCall(index=i, id=c.id, type="function",
+                                  function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
+                    for i, c in enumerate(calls)]
+
+
+def template_messages(messages) -> list[dict]:
+    """Chat messages as the template reads them: "developer" is "system"; tool-call arguments are
+    objects (as templates expect), not JSON text."""
+    out = []
+    for m in messages:
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _loads(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _loads(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError as e:
+        raise ValueError(f"messages: tool_calls arguments must be JSON text: {e}") from e
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, chat_template: str | None) -> list[int]:
+    """Prompt ids for the conversation under ``chat_template`` (default: the model's), tools included.
+
+    A template that never reads ``tools`` would drop them silently, so that is an error.
+    """
+    template = chat_template or tokenizer.chat_template
+    if tools and "tools" not in (template or ""):
+        raise ValueError("tools: this model's chat template does not render tools; start the server with "
+                         "--chat-template (e.g. pagedllm/server/chat_templates/hermes_tools.jinja)")
+    ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+

@@ -1,0 +1,49 @@
+"""The engine's side of structured outputs: one grammar state per structured sequence, the step's
+bitmask filled for exactly those rows and applied to the batch's logits in one call, and each
+sampled token fed back. The engine core calls ``add`` on admission, ``fork`` for parallel samples,
+``mask`` before sampling, ``accept`` after, and ``free`` when a sequence finishes."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from pagedllm.structured.compiler import GrammarCompiler
+from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.state import GrammarState, allocate_bitmask, apply_bitmask
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+        self.states: dict[Hashable, GrammarState] = {}
+        self._bitmask = allocate_bitmask(1, vocab_size)
+
+    def add(self, seq_id: Hashable, params: StructuredOutputsParams) -> None:
+        """Start ``seq_id`` at its grammar's beginning (compiled once per distinct spec)."""
+        self.states[seq_id] = self.compiler.state(params)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        if parent_id in self.states:
+            self.states[child_id] = self.states[parent_id].fork()
+
+    def free(self, seq_id: Hashable) -> None:
+        self.states.pop(seq_id, None)
+
+    def mask(self, logits: torch.Tensor, row_seq_ids: Sequence[Hashable]) -> None:
+        """Mask ``logits`` (one row per entry of ``row_seq_ids``) in place where a row's sequence is
+        structured; other rows are untouched."""
+        rows = [i for i, sid in enumerate(row_seq_ids) if sid in self.states]
+        if not rows:
+            return
+        if self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = allocate_bitmask(logits.shape[0], self.compiler.vocab_size)
+        for i in rows:
+            self.states[row_seq_ids[i]].fill_bitmask(self._bitmask, i)
+        apply_bitmask(logits, self._bitmask[: logits.shape[0]], rows)
+
+    def accept(self, row_seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> list[Hashable]:
+        """Advance each structured row's state by its sampled token; returns the sequences whose
+        token the grammar refused (only possible if the mask was not applied)."""
+        return [sid for sid, tok in zip(row_seq_ids, tokens) if sid in self.states and not self.states[sid].accept(tok)]
