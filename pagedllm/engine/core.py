@@ -59,6 +59,7 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching))
         self.beam = BeamSearch(self)
+        self._structured = None  # StructuredOutputManager, made with the first structured request
         self.speculator = Speculator.from_config(args.speculative_config, proposer)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -76,7 +77,10 @@ class EngineCore:
         req = Request(r.request_id, None, list(r.prompt_token_ids), r.params, cache_salt=r.cache_salt)
         if r.arrival_time is not None:
             req.arrival_time = req.metrics.arrival_time = r.arrival_time
-        req.seqs.append(Sequence(req, 0, list(r.prompt_token_ids)))
+        seq = Sequence(req, 0, list(r.prompt_token_ids))
+        req.seqs.append(seq)
+        if r.params.structured_outputs is not None:
+            self.structured.add(seq.seq_id, r.params.structured_outputs)
         self.requests[r.request_id] = req
         self.scheduler.add(req)
 
@@ -111,11 +115,24 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def structured(self):
+        """Grammar states of structured sequences (xgrammar over the model's tokenizer), made on first use."""
+        if self._structured is None:
+            from pagedllm.models.loader import load_tokenizer
+            from pagedllm.structured.manager import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(load_tokenizer(self.args.model), self.spec.vocab_size,
+                                                       self.eos_token_ids)
+        return self._structured
+
     # ------------------------------------------------------------------ public interface for beam search
     def fork_seq(self, parent: Sequence, index: int) -> Sequence:
         """A child sharing every block of ``parent`` (the worker copies the parent's row next step)."""
         child = parent.fork(index)
         self.kv.fork(parent.seq_id, child.seq_id)
+        if self._structured is not None:
+            self._structured.fork(parent.seq_id, child.seq_id)
         if parent.num_sent:
             self._forks.append((parent.seq_id, child.seq_id, index))
         return child
@@ -125,6 +142,8 @@ class EngineCore:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         if self.kv.has_seq(seq.seq_id):
             self.kv.free(seq.seq_id)
+        if self._structured is not None:
+            self._structured.free(seq.seq_id)
         self._released.append(seq.seq_id)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
@@ -193,13 +212,18 @@ class EngineCore:
             seq.num_sent = seq.num_tokens
             keep, new_blocks = self.kv.take_table_diff(seq.seq_id)
             beam = p.use_beam_search
-            first_sample = c.completes and not beam and seq.num_output_tokens == 0 and len(req.seqs) < p.n
+            width = p.best_of or p.n
+            first_sample = c.completes and not beam and seq.num_output_tokens == 0 and len(req.seqs) < width
             prompt_lp = p.prompt_logprobs if seq.index == 0 and seq.num_computed < seq.num_prompt_tokens else None
             so.scheduled.append(ScheduledSeq(
                 seq.seq_id, seq.num_computed, c.num_tokens, new_tokens, keep, new_blocks, c.completes,
-                num_samples=p.n - len(req.seqs) + 1 if first_sample else 1,
+                num_samples=width - len(req.seqs) + 1 if first_sample else 1,
                 beam_topk=self.beam.candidates(req) if beam else 0, prompt_logprobs=prompt_lp,
                 spec_token_ids=list(seq.spec_token_ids) if c.num_spec else []))
+        if self._structured is not None and self._structured.states:
+            filled = self._structured.fill([c.seq.seq_id if c.completes else None for c in sched.chunks])
+            if filled is not None:
+                so.grammar_bitmask, so.grammar_rows = filled
         return so
 
     def _update(self, sched: Schedule, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
@@ -230,13 +254,18 @@ class EngineCore:
                 self._output(req).prompt_logprobs = out.prompt_logprobs
             if out.beam_topk is not None:
                 beams.append((seq, out.beam_topk))
-            elif c.num_spec:
-                for tok, lp in zip(out.token_ids, out.logprobs):  # kept drafts, then the target's token
-                    self.append_token(seq, tok, lp, None)
-                    if seq.finished:
-                        break
-            elif out.token_ids:
-                self._append_samples(seq, out)
+                continue
+            try:
+                if c.num_spec:
+                    for tok, lp in zip(out.token_ids, out.logprobs):  # kept drafts, then the target's token
+                        self.append_token(seq, tok, lp, None)
+                        if seq.finished:
+                            break
+                elif out.token_ids:
+                    self._append_samples(seq, out)
+            except Exception as e:  # noqa: BLE001 - stopping or a grammar failed for this request alone
+                log.exception("request %s failed while taking its tokens", req.request_id)
+                self.abort_request(req.request_id, error=f"serving this request failed: {type(e).__name__}: {e}")
         self.stats.prompt_tokens_cached += sched.num_prefix_hit_tokens
         if beams:
             self.beam.step(beams)
@@ -251,7 +280,7 @@ class EngineCore:
         """Append the sampled token(s); a request's first token for n samples forks the others."""
         req = seq.request
         lp = out.top_logprobs
-        for j in range(1, len(out.token_ids)):
+        for j in range(1, len(out.token_ids)):  # fork_seq copies the grammar state before the parent advances
             child = self.fork_seq(seq, len(req.seqs))
             req.seqs.append(child)
             self.append_token(child, out.token_ids[j], out.logprobs[j], None if lp is None else _row(lp, j))
@@ -260,6 +289,8 @@ class EngineCore:
     def append_token(self, seq: Sequence, token: int, logprob: float, top: Logprobs | None) -> None:
         """Add a sampled token, then apply the stop rules on token ids (eos, stop ids, lengths)."""
         p = seq.request.params
+        if self._structured is not None and self._structured.accept([seq.seq_id], [token]):
+            raise RuntimeError(f"sequence {seq.seq_id} sampled token {token}, which its grammar forbids")
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         self.stats.generation_tokens += 1

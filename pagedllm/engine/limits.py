@@ -19,7 +19,7 @@ class RequestLimits:
         sample (or beam) its private blocks, the copy of a shared partial prompt block included."""
         bs = self.block_size
         total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        width = params.beam_width if params.use_beam_search else params.n
+        width = params.beam_width if params.use_beam_search else (params.best_of or params.n)
         first = -(-total // bs)
         return first + (width - 1) * (first - num_prompt_tokens // bs)
 

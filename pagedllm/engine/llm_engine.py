@@ -73,6 +73,8 @@ class LLMEngine:
         """Queue a request; returns its id. ValueError (nothing queued) for a bad prompt or settings."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # keep the prompt's last N tokens, as vLLM
+            text, ids = None, ids[-params.truncate_prompt_tokens:]
         self.validate(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.processor.requests:

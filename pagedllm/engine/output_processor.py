@@ -86,8 +86,9 @@ class OutputProcessor:
                 hit = self._apply(st, d)
                 if hit is not None:
                     stops.append((st.request_id, d.index, hit))
-            samples = [s for i, s in sorted(st.samples.items()) if i < max(st.params.n, 1)]
-            st.finished = out.finished or (len(samples) >= st.params.n and all(s.finish_reason for s in samples))
+            width = st.params.best_of or st.params.n
+            samples = [s for i, s in sorted(st.samples.items()) if i < width]
+            st.finished = out.finished or (len(samples) >= width and all(s.finish_reason for s in samples))
             results.append(self._request_output(st))
             if out.error is not None:
                 st.finished = results[-1].finished = True
@@ -144,10 +145,13 @@ class OutputProcessor:
         return stop
 
     def _request_output(self, st: _RequestState) -> RequestOutput:
+        chosen = sorted(st.samples.items())
+        if st.params.best_of and st.params.best_of > st.params.n:  # vLLM: the n best of best_of by logprob
+            chosen = sorted(chosen, key=lambda kv: -kv[1].cumulative_logprob) if st.finished else chosen
         outs = [CompletionOutput(index=i, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
                                  cumulative_logprob=s.cumulative_logprob,
                                  logprobs=None if s.logprobs is None else list(s.logprobs), stop_reason=s.stop_reason)
-                for i, s in sorted(st.samples.items()) if i < st.params.n]
+                for i, (_, s) in enumerate(chosen[: st.params.n])]
         out = RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished, st.metrics,
                             num_cached_tokens=st.num_cached_tokens)
         if st.prompt_logprobs is not None:

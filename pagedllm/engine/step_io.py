@@ -59,6 +59,8 @@ class SchedulerOutput:
     swap_out: BlockPairs = field(default_factory=list)  # (device, host)
     swap_in: BlockPairs = field(default_factory=list)  # (host, device)
     copies: BlockPairs = field(default_factory=list)  # copy-on-write (src, dst)
+    grammar_bitmask: torch.Tensor | None = None  # [len(scheduled), words]: allowed next tokens, one bit each
+    grammar_rows: list[int] = field(default_factory=list)  # indices into scheduled that the bitmask constrains
 
     @property
     def num_tokens(self) -> int:

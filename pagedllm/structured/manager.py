@@ -43,6 +43,17 @@ class StructuredOutputManager:
             self.states[row_seq_ids[i]].fill_bitmask(self._bitmask, i)
         apply_bitmask(logits, self._bitmask[: logits.shape[0]], rows)
 
+    def fill(self, row_seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, list[int]] | None:
+        """The step's bitmask ``[rows, words]`` and the rows it constrains (None: no structured row), for a
+        worker in another process to apply with ``apply_bitmask``."""
+        rows = [i for i, sid in enumerate(row_seq_ids) if sid in self.states]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(row_seq_ids), self.compiler.vocab_size)
+        for i in rows:
+            self.states[row_seq_ids[i]].fill_bitmask(bitmask, i)
+        return bitmask, rows
+
     def accept(self, row_seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> list[Hashable]:
         """Advance each structured row's state by its sampled token; returns the sequences whose
         token the grammar refused (only possible if the mask was not applied)."""

@@ -20,6 +20,7 @@ from pagedllm.models.loader import load_checkpoint
 from pagedllm.worker.input_batch import InputBatch, make_generator
 from pagedllm.worker.sampler import Sampler, SamplingBatch
 from pagedllm.worker.spec_verify import verify
+from pagedllm.structured.state import apply_bitmask
 
 log = logging.getLogger("pagedllm.worker")
 
@@ -157,6 +158,13 @@ class Worker:
             row = rows[i]
             targets = batch.token_ids[row, s.num_computed + 1: s.num_computed + 1 + n]
             outs[i].prompt_logprobs = _ranked(logits[first:first + n].log_softmax(-1), targets, s.prompt_logprobs)
+        if so.grammar_bitmask is not None:  # structured outputs: disallowed tokens to -inf, before sampling
+            rows_g = [last_of[i] for i in so.grammar_rows if i in last_of]
+            if rows_g:
+                sub = so.grammar_bitmask[[i for i in so.grammar_rows if i in last_of]]
+                masked = logits[rows_g]
+                apply_bitmask(masked, sub)
+                logits[rows_g] = masked
         sample_rows, sample_keys, beams = [], [], []
         for i, k in last_of.items():
             s = so.scheduled[i]

@@ -1,10 +1,9 @@
 """What the new request fields do to the generated tokens, through the official client.
 
 The server maps every field to ``SamplingParams`` (tested in test_api_surface.py / test_tool_calls.py);
-their effect is the engine's: the grammar bitmask in the batched sampler (StructuredOutputManager),
-logit_bias (apply_logit_bias), best_of, include_stop_str_in_output and prompt logprobs. The lead is
-wiring those into the engine core (issue 17/18 split); until then these tests fail, and are marked
-xfail(strict=True) so that each one turns red the moment it starts passing and its mark must go.
+their effect is the engine's: the grammar bitmask filled by the core and applied before the worker's
+batched sampler (StructuredOutputManager), logit_bias (apply_logit_bias), best_of,
+include_stop_str_in_output and prompt logprobs.
 """
 
 from __future__ import annotations
@@ -21,9 +20,7 @@ from conftest import live_server
 
 import pagedllm
 
-PENDING = ("needs the engine core to apply SamplingParams.structured_outputs / logit_bias / best_of / "
-           "include_stop_str_in_output / prompt_logprobs (lead's integration); remove when it lands")
-pytestmark = [pytest.mark.slow, pytest.mark.xfail(strict=True, reason=PENDING)]
+pytestmark = [pytest.mark.slow]
 
 TEMPLATE = Path(pagedllm.__file__).parent / "server" / "chat_templates" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -57,7 +54,7 @@ def client(srv) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def model(srv) -> str:
-    return srv.engine.engine.model_name
+    return srv.engine.model_name
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)
@@ -70,8 +67,10 @@ def test_json_schema_response_format_validates(client, model, schema):
 
 
 def test_json_object(client, model):
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Any JSON"}],
+    ask = 'Write Alice, aged 30, as a JSON object with the keys "name" and "age".'
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": ask}],
                                        max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"  # the grammar closed the object; no length cut
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 

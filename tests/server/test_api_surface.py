@@ -45,7 +45,7 @@ def client(tool_server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def model(tool_server) -> str:
-    return tool_server.engine.engine.model_name
+    return tool_server.engine.model_name
 
 
 def post(srv, path: str, body: dict) -> httpx.Response:

@@ -42,19 +42,17 @@ def test_parse_logprobs_reads_our_echo_shape():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs the engine's prompt logprobs (SamplingParams.prompt_logprobs -> "
-                   "RequestOutput.prompt_logprobs), which the lead is adding; drop this mark when it lands")
 def test_scores_through_server_equal_hf_backend(smollm2_dir, monkeypatch):
     with live_server() as srv:
         import openai
 
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0)
         probe = client.completions.create(prompt="Question: Answer:", max_tokens=1, echo=True, logprobs=1,
-                                          model=srv.engine.engine.model_name)  # fails fast, before lm-eval retries
+                                          model=srv.engine.model_name)  # fails fast, before lm-eval retries
         assert probe.choices[0].logprobs.token_logprobs[0] is None
         monkeypatch.setenv("OPENAI_API_KEY", srv.api_key)
         ours = evaluate("local-completions", {
-            "base_url": f"{srv.url}/v1/completions", "model": srv.engine.engine.model_name,
+            "base_url": f"{srv.url}/v1/completions", "model": srv.engine.model_name,
             "tokenizer_backend": "huggingface", "tokenizer": smollm2_dir, "tokenized_requests": True,
             "num_concurrent": 4, "max_retries": 1, "batch_size": 8}, monkeypatch)
     hf = evaluate("hf", {"pretrained": smollm2_dir, "dtype": "float32", "device": "cpu", "batch_size": 16},
