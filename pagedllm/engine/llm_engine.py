@@ -18,6 +18,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.kv_quant import resolve_kv_cache_dtype
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.model_runner import ModelRunner, SeqChunk
 from pagedllm.models.llama import LlamaForCausalLM
@@ -51,7 +52,7 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_name = args.model or "SmolLM2-135M-Instruct"
         dtype = resolve_dtype(args.dtype)
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype)
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(args.kv_cache_dtype)
         cfg = ckpt.config
         model = LlamaForCausalLM.from_checkpoint(ckpt, dtype, args.quantization)
         del ckpt
