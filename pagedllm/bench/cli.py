@@ -26,6 +26,7 @@ BENCHES = {
     "perplexity": "perplexity through the paged path (chunked prefill) vs HF on Wikipedia text",
     "alloc": "block manager microbenchmark",
     "attention": "attention backend microbenchmark",
+    "kvquant": "int8 / fp8 KV cache vs fp32: tokens per budget, perplexity, decode step at 1k-8k, W1",
 }
 
 
