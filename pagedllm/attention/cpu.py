@@ -4,7 +4,9 @@ The kernel (``csrc/paged_attention.cpp``) is built on first use with
 ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached under
 ``~/.cache/torch_extensions``. Work is split over (sequence, query tile, kv head) with OpenMP;
 the ``group`` query heads of a kv head are computed together so each K/V row is read once;
-softmax is online with fp32 accumulation; caches may be fp32 or bf16.
+softmax is online with fp32 accumulation; caches may be fp32 or bf16, or int8 / fp8
+(:class:`~pagedllm.kv.kv_quant.QuantizedKV`: the kernel quantizes the rows it writes and dequantizes the
+rows it reads, chunk by chunk in L1; the pool is never dequantized into a copy).
 
 Decodes always go through the kernel. Prefill chunks go through it too unless the chunk is
 long enough that torch's CPU flash SDPA over a gathered context is faster
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 
 from pagedllm import native
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import gather_sequence_kv
+from pagedllm.kv.kv_quant import QuantizedKV
 
 _SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 
@@ -33,9 +37,11 @@ def load_extension():
                            "the 'reference' or 'flex' backend.") from e
 
 
-def _gather_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    n_blocks = (seq_len + block_size - 1) // block_size
-    return (block_table[:n_blocks].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+def kernel_args(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The kernel's (k_cache, v_cache, scale keyword arguments) for a float or quantized pool."""
+    if isinstance(k_cache, QuantizedKV):
+        return k_cache.data, v_cache.data, {"k_scale": k_cache.scale, "v_scale": v_cache.scale}
+    return k_cache, v_cache, {}
 
 
 class CpuBackend:
@@ -52,7 +58,8 @@ class CpuBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ext = load_extension()
-        ext.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kd, vd, scales = kernel_args(k_cache, v_cache)
+        ext.write_kv(k, v, kd, vd, meta.slot_mapping, block_size=meta.block_size, **scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -64,10 +71,7 @@ class CpuBackend:
             while split < n and meta.query_lens_list[split] < self.sdpa_prefill_min_len:
                 split += 1
         if split > 0:
-            ext.paged_attention_out(
-                out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.block_size, float(scale), 0, split, self.q_tile,
-            )
+            self._kernel(q, k_cache, v_cache, out, meta, scale, 0, split)
         if split < n:
             self._sdpa_chunks(q, k_cache, v_cache, out, meta, scale, split)
         return out
@@ -84,9 +88,10 @@ class CpuBackend:
             k = qkv[:, num_heads * D : (num_heads + Hkv) * D].view(T, Hkv, D)
             v = qkv[:, (num_heads + Hkv) * D :].view(T, Hkv, D)
             return self.forward(q, k, v, k_cache, v_cache, meta, scale).reshape(T, num_heads * D)
-        return load_extension().attend_qkv(qkv, num_heads, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+        kd, vd, scales = kernel_args(k_cache, v_cache)
+        return load_extension().attend_qkv(qkv, num_heads, kd, vd, meta.slot_mapping, meta.block_tables,
                                            meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
-                                           self.q_tile)
+                                           self.q_tile, **scales)
 
     def _sdpa_chunks(self, q, k_cache, v_cache, out, meta, scale, first) -> None:
         group = q.shape[1] // k_cache.shape[0]
@@ -94,12 +99,10 @@ class CpuBackend:
         for i in range(first, meta.num_seqs):
             q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
             if q_len < (self.sdpa_prefill_min_len or 0):
-                meta_i_end = i + 1
-                self._kernel_one(q, k_cache, v_cache, out, meta, scale, i, meta_i_end)
+                self._kernel(q, k_cache, v_cache, out, meta, scale, i, i + 1)
                 continue
-            slots = _gather_slots(meta.block_tables[i], s_len, meta.block_size)
-            ki = k_cache.index_select(1, slots).to(q.dtype)
-            vi = v_cache.index_select(1, slots).to(q.dtype)
+            ki = gather_sequence_kv(k_cache, meta.block_tables[i], s_len, meta.block_size, q.dtype)
+            vi = gather_sequence_kv(v_cache, meta.block_tables[i], s_len, meta.block_size, q.dtype)
             qi = q[starts[i] : starts[i] + q_len].transpose(0, 1)
             if q_len == s_len:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=group > 1)
@@ -108,8 +111,10 @@ class CpuBackend:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=group > 1)
             out[starts[i] : starts[i] + q_len] = oi.transpose(0, 1)
 
-    def _kernel_one(self, q, k_cache, v_cache, out, meta, scale, b, e) -> None:
+    def _kernel(self, q, k_cache, v_cache, out, meta, scale, b, e) -> None:
+        """The C++ kernel over sequences ``[b, e)`` of the batch."""
+        kd, vd, scales = kernel_args(k_cache, v_cache)
         load_extension().paged_attention_out(
-            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.block_size, float(scale), b, e, self.q_tile,
+            out, q, kd, vd, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.block_size, float(scale), b, e, self.q_tile, **scales,
         )

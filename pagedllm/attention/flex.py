@@ -33,6 +33,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from pagedllm.attention.metadata import AttentionMetadata, write_kv
+from pagedllm.kv.kv_quant import QuantizedKV
 
 _compiled: dict[str, object] = {}
 _patched = False
@@ -244,6 +245,11 @@ class FlexBackend:
 
     # ---- attention -----------------------------------------------------------------------
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if isinstance(k_cache, QuantizedKV):
+            # flex_attention takes q, k, v of one float dtype and has no hook on the loaded values (score_mod
+            # sees scores, not V): an int8 / fp8 pool could only be read through a dequantized copy
+            raise ValueError(f"kv_cache_dtype {k_cache.dtype}: the flex backend reads float pools only; "
+                             "use attention_backend 'cpu', 'triton' or 'reference'")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.forward_attend(q, k_cache, v_cache, meta, scale)
 

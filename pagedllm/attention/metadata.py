@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.kv.kv_quant import QuantizedKV, write_kv_quantized
+
 
 @dataclass
 class AttentionMetadata:
@@ -115,9 +117,11 @@ class AttentionMetadata:
         return dataclasses.replace(self, **moved)
 
 
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter new K/V ``[T, Hkv, D]`` into the pool rows named by ``slot_mapping``."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V ``[T, Hkv, D]`` into the pool rows named by ``slot_mapping`` (quantizing them when the
+    pool is a :class:`~pagedllm.kv.kv_quant.QuantizedKV`)."""
+    if isinstance(k_cache, QuantizedKV):
+        write_kv_quantized(k, v, k_cache, v_cache, slot_mapping)
+        return
     k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))

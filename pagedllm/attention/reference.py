@@ -1,7 +1,7 @@
 """Reference backend: gather each sequence's K/V through its block table, then SDPA.
 
 Slow (a dense copy per sequence and a Python loop) but obviously right: the oracle
-the fast backends are tested against.
+the fast backends are tested against. A quantized pool's gathered rows are dequantized (code * scale).
 """
 
 from __future__ import annotations
@@ -10,13 +10,22 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata, write_kv
+from pagedllm.kv.kv_quant import QuantizedKV
 
 
-def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Dense ``[Hkv, seq_len, D]`` copy of one sequence's cached K or V."""
+def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Physical slots of logical positions ``0 .. seq_len - 1`` through one block table row."""
     n_blocks = (seq_len + block_size - 1) // block_size
-    slots = (block_table[:n_blocks].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
-    return cache.index_select(1, slots)
+    return (block_table[:n_blocks].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+
+
+def gather_sequence_kv(cache, block_table: torch.Tensor, seq_len: int, block_size: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[Hkv, seq_len, D]`` copy of one sequence's cached K or V in ``dtype`` (dequantized)."""
+    slots = sequence_slots(block_table, seq_len, block_size)
+    if isinstance(cache, QuantizedKV):
+        return cache.rows(slots, dtype)
+    return cache.index_select(1, slots).to(dtype)
 
 
 class ReferenceBackend:
@@ -32,8 +41,8 @@ class ReferenceBackend:
         starts = meta.query_start_loc.tolist()
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             qi = q[starts[i] : starts[i] + q_len].transpose(0, 1)  # [H, q_len, D]
-            ki = gather_sequence_kv(k_cache, meta.block_tables[i], s_len, meta.block_size).to(q.dtype)
-            vi = gather_sequence_kv(v_cache, meta.block_tables[i], s_len, meta.block_size).to(q.dtype)
+            ki = gather_sequence_kv(k_cache, meta.block_tables[i], s_len, meta.block_size, q.dtype)
+            vi = gather_sequence_kv(v_cache, meta.block_tables[i], s_len, meta.block_size, q.dtype)
             ki = ki.repeat_interleave(group, dim=0)
             vi = vi.repeat_interleave(group, dim=0)
             # query j sits at position s_len - q_len + j and sees keys 0..that position

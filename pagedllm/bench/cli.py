@@ -28,6 +28,7 @@ BENCHES = {
     "alloc": "block manager microbenchmark",
     "attention": "attention backend microbenchmark",
     "structured": "grammar mask + accept per decode step vs the step itself (JSON schemas, batch 1..64)",
+    "kvquant": "int8 / fp8 KV cache vs fp32: tokens per budget, perplexity, decode step at 1k-8k, W1",
 }
 
 

@@ -45,10 +45,10 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
 class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto: same as dtype
+    kv_cache_dtype: str = "auto"  # auto: same as dtype; or float32|bfloat16|float16|int8|fp8_e4m3|fp8_e5m2
     quantization: str = "auto"  # "gguf": keep a GGUF's Q4_1/Q8_0 matrices in their blocks (models/quant.py)
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: kv_cache_fraction of total memory
     kv_cache_fraction: float = 0.1
     num_blocks: int | None = None  # exact pool size (overrides the memory settings)
     swap_space: int = 0  # bytes of host tier for preemption by swap

@@ -14,6 +14,7 @@ from pagedllm.attention import BACKENDS, get_backend
 from pagedllm.engine.args import EngineArgs, resolve_device, resolve_dtype
 from pagedllm.engine.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.kv_quant import resolve_kv_cache_dtype
 from pagedllm.model_runner import ModelRunner
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
@@ -59,7 +60,7 @@ class Worker:
         ckpt = load_checkpoint(args.model)
         cfg = ckpt.config
         dtype = resolve_dtype(args.dtype, self.device)
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, self.device)
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(args.kv_cache_dtype)
         quantization = args.quantization if self.device.type == "cpu" else "none"  # block GEMMs are CPU kernels
         model = LlamaForCausalLM.from_checkpoint(ckpt, dtype, quantization).to(self.device)
         eos = list(cfg.eos_token_ids)

@@ -7,8 +7,14 @@
 // and softmax is online (flash-decoding style) with a vectorised exp and fp32 accumulation.  Works for decodes (tile = the single query)
 // and prefill chunks (tile = up to q_tile queries, causal: query at position p sees keys 0..p).
 // Caches may be fp32 or bf16; q/out may be fp32 or bf16.
+// Quantized caches (pagedllm/kv/kv_quant.py): int8 with an fp32 scale per (kv head, block), or fp8 e4m3 / e5m2
+// with one per kv head (a [Hkv, num_blocks] view with block stride 0). Rows are dequantized into the chunk's
+// L1 buffer as they are read (AVX2 + F16C chosen at run time, scalar otherwise), then go through the same
+// score / P@V blocks as fp32; the write path quantizes the step's new rows (same bits as the Python path).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <omp.h>
 
@@ -19,11 +25,76 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define PAGEDLLM_X86 1
 #endif
 
 namespace {
+
+// ---- quantized rows: code -> float, with the row's scale -------------------------------------------
+enum class KvFormat { Int8, E4M3, E5M2 };
+
+template <KvFormat F>
+inline float decode_scalar(uint8_t b) {
+  if constexpr (F == KvFormat::Int8) return static_cast<float>(static_cast<int8_t>(b));
+  else if constexpr (F == KvFormat::E4M3) return c10::detail::fp8e4m3fn_to_fp32_value(b);
+  else return c10::detail::fp8e5m2_to_fp32_value(b);
+}
+
+template <KvFormat F>
+void dequant_scalar(const uint8_t* src, float scale, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = decode_scalar<F>(src[d]) * scale;
+}
+
+#ifdef PAGEDLLM_X86
+// 8 codes -> 8 floats. fp8 goes through fp16 (F16C): e5m2 is the high byte of an fp16; e4m3's exponent and
+// mantissa bits moved into fp16's place give value / 2^8 (normal and subnormal alike), folded into the scale.
+template <KvFormat F>
+__attribute__((target("avx2,fma,f16c"))) void dequant_avx2(const uint8_t* src, float scale, float* dst, int64_t n) {
+  const __m256 sc = _mm256_set1_ps(F == KvFormat::E4M3 ? scale * 256.f : scale);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+    __m256 x;
+    if constexpr (F == KvFormat::Int8) {
+      x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    } else {
+      const __m128i w = _mm_cvtepu8_epi16(b);
+      const __m128i h = F == KvFormat::E5M2
+                            ? _mm_slli_epi16(w, 8)
+                            : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                           _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+      x = _mm256_cvtph_ps(h);
+    }
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(x, sc));
+  }
+  for (; d < n; ++d) dst[d] = decode_scalar<F>(src[d]) * scale;
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+
+template <KvFormat F>
+inline void dequant_row(const uint8_t* src, float scale, float* dst, int64_t n) {
+#ifdef PAGEDLLM_X86
+  if (kHasAvx2) return dequant_avx2<F>(src, scale, dst, n);
+#endif
+  dequant_scalar<F>(src, scale, dst, n);
+}
+
+// the storage type of each format (the kernel templates dispatch on it)
+struct Int8Code { uint8_t b; static constexpr KvFormat format = KvFormat::Int8; };
+struct E4M3Code { uint8_t b; static constexpr KvFormat format = KvFormat::E4M3; };
+struct E5M2Code { uint8_t b; static constexpr KvFormat format = KvFormat::E5M2; };
+template <typename T> constexpr bool is_code_v = std::is_same_v<T, Int8Code> || std::is_same_v<T, E4M3Code> ||
+                                                 std::is_same_v<T, E5M2Code>;
+
+// A quantized pool's scales: scale of (kv head h, physical block b) = p[h * s0 + b * s1] (s1 = 0: per head).
+struct Scales {
+  const float* p = nullptr;
+  int64_t s0 = 0, s1 = 0;
+  float at(int64_t h, int64_t b) const { return p[h * s0 + b * s1]; }
+};
 
 constexpr int64_t CHUNK = 64;
 
@@ -229,13 +300,14 @@ struct Item {
 template <typename qscalar_t, typename kvscalar_t>
 void run_items(const std::vector<Item>& items, const torch::Tensor& q, const torch::Tensor& k_cache,
                const torch::Tensor& v_cache, torch::Tensor& out, const int32_t* tables, int64_t table_stride,
-               const int32_t* seq_lens, const int32_t* qsl, int64_t block_size, float scale, int64_t max_rows) {
+               const int32_t* seq_lens, const int32_t* qsl, int64_t block_size, float scale, int64_t max_rows,
+               Scales ksc = {}, Scales vsc = {}) {
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0), group = H / Hkv;
   const qscalar_t* qp = q.data_ptr<qscalar_t>();
   qscalar_t* op = out.data_ptr<qscalar_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const kvscalar_t* kp = k_cache.data_ptr<kvscalar_t>();
-  const kvscalar_t* vp = v_cache.data_ptr<kvscalar_t>();
+  const kvscalar_t* kp = static_cast<const kvscalar_t*>(k_cache.data_ptr());
+  const kvscalar_t* vp = static_cast<const kvscalar_t*>(v_cache.data_ptr());
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
   constexpr bool kv_is_float = std::is_same_v<kvscalar_t, float>;
   const int64_t n_items = static_cast<int64_t>(items.size());
@@ -288,13 +360,20 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
         for (int64_t o = 0; o < n;) {
           const int64_t lp = c0 + o, off = lp % block_size;
           const int64_t cnt = std::min(block_size - off, n - o);
-          const int64_t slot0 = static_cast<int64_t>(table[lp / block_size]) * block_size + off;
+          const int64_t blk = table[lp / block_size], slot0 = blk * block_size + off;
           const kvscalar_t* kr = kp + w.kv_head * ks0 + slot0 * ks1;
           const kvscalar_t* vr = vp + w.kv_head * vs0 + slot0 * vs1;
+          [[maybe_unused]] float sk = 0.f, sv = 0.f;
+          if constexpr (is_code_v<kvscalar_t>) sk = ksc.at(w.kv_head, blk), sv = vsc.at(w.kv_head, blk);
           for (int64_t j = 0; j < cnt; ++j, ++o, kr += ks1, vr += vs1) {
             if constexpr (kv_is_float) {
               krow[o] = reinterpret_cast<const float*>(kr);
               vrow[o] = reinterpret_cast<const float*>(vr);
+            } else if constexpr (is_code_v<kvscalar_t>) {
+              dequant_row<kvscalar_t::format>(&kr->b, sk, kbuf.data() + o * D, D);
+              dequant_row<kvscalar_t::format>(&vr->b, sv, vbuf.data() + o * D, D);
+              krow[o] = kbuf.data() + o * D;
+              vrow[o] = vbuf.data() + o * D;
             } else {
               row_to_float(kr, kbuf.data() + o * D, D);
               row_to_float(vr, vbuf.data() + o * D, D);
@@ -339,10 +418,28 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
 
 }  // namespace
 
+namespace {
+
+// The kernel's view of a quantized pool's scales [Hkv, num_blocks] (any strides); none for a float pool.
+Scales scales_of(const c10::optional<torch::Tensor>& t, const torch::Tensor& cache) {
+  if (!t.has_value()) return {};
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == cache.size(0),
+              "scales must be float32 [Hkv, num_blocks]");
+  return {t->data_ptr<float>(), t->stride(0), t->stride(1)};
+}
+
+bool is_code_dtype(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+}  // namespace
+
 // Attend the queries of sequences [seq_begin, seq_end) of the flat batch; writes their rows of `out`.
+// k_scale / v_scale: the scales of an int8 or fp8 pool (see the header), None for fp32 / bf16.
 void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                          torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                         int64_t block_size, double scale, int64_t seq_begin, int64_t seq_end, int64_t q_tile) {
+                         int64_t block_size, double scale, int64_t seq_begin, int64_t seq_end, int64_t q_tile,
+                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
               "last dim must be contiguous");
@@ -352,6 +449,10 @@ void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && query_start_loc.is_contiguous());
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(is_code_dtype(kv_type) == (k_scale.has_value() && v_scale.has_value()),
+              "int8 / fp8 caches need k_scale and v_scale, float caches take none");
+  const Scales ksc = scales_of(k_scale, k_cache), vsc = scales_of(v_scale, v_cache);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int64_t Hkv = k_cache.size(0), group = q.size(1) / Hkv;
   q_tile = std::max<int64_t>(1, q_tile);
@@ -365,19 +466,26 @@ void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
   if (items.empty()) return;
   const int64_t max_rows = q_tile * group;
   pybind11::gil_scoped_release no_gil;
-  auto dispatch = [&](auto qdummy, auto kvdummy) {
-    using QT = decltype(qdummy);
-    using KT = decltype(kvdummy);
-    run_items<QT, KT>(items, q, k_cache, v_cache, out, block_tables.data_ptr<int32_t>(), block_tables.stride(0),
-                      seq_lens.data_ptr<int32_t>(), qsl, block_size, static_cast<float>(scale), max_rows);
-  };
-  const bool q_f = q.scalar_type() == at::kFloat, kv_f = k_cache.scalar_type() == at::kFloat;
+  const bool q_f = q.scalar_type() == at::kFloat;
   TORCH_CHECK(q_f || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
-  TORCH_CHECK(kv_f || k_cache.scalar_type() == at::kBFloat16, "kv cache must be float32 or bfloat16");
-  if (q_f && kv_f) dispatch(float{}, float{});
-  else if (q_f) dispatch(float{}, at::BFloat16{});
-  else if (kv_f) dispatch(at::BFloat16{}, float{});
-  else dispatch(at::BFloat16{}, at::BFloat16{});
+  auto run_kv = [&](auto kvdummy) {
+    using KT = decltype(kvdummy);
+    auto go = [&](auto qdummy) {
+      run_items<decltype(qdummy), KT>(items, q, k_cache, v_cache, out, block_tables.data_ptr<int32_t>(),
+                                      block_tables.stride(0), seq_lens.data_ptr<int32_t>(), qsl, block_size,
+                                      static_cast<float>(scale), max_rows, ksc, vsc);
+    };
+    if (q_f) go(float{});
+    else go(at::BFloat16{});
+  };
+  switch (kv_type) {
+    case at::kFloat: run_kv(float{}); break;
+    case at::kBFloat16: run_kv(at::BFloat16{}); break;
+    case at::kChar: run_kv(Int8Code{}); break;
+    case at::kFloat8_e4m3fn: run_kv(E4M3Code{}); break;
+    case at::kFloat8_e5m2: run_kv(E5M2Code{}); break;
+    default: TORCH_CHECK(false, "kv cache must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
+  }
 }
 
 namespace {
@@ -409,12 +517,85 @@ void scatter(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slot
     scatter_rows<ST, at::BFloat16>(src, cache, slots);
 }
 
+template <typename ST>
+inline float to_f(ST x) { return static_cast<float>(x); }
+
+// int8 rows with a scale per (kv head, block): for each run of new rows landing in one block, the block's scale
+// becomes max(old, amax(run) / 127) (old = 0 when the run starts the block); if it grew, the block's earlier
+// codes are re-rounded by old / new; then the run's rows are rounded with it. Same arithmetic as kv_quant.write_int8.
+template <typename ST>
+void write_int8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots,
+                     int64_t block_size) {
+  const int64_t T = src.size(0), Hkv = src.size(1), D = src.size(2), rows = cache.size(1);
+  const ST* sp = src.data_ptr<ST>();
+  int8_t* cp = cache.data_ptr<int8_t>();
+  float* scp = const_cast<float*>(sc.p);
+  for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+    const int64_t blk = slots[t0] / block_size, off0 = slots[t0] % block_size;
+    for (t1 = t0 + 1; t1 < T && slots[t1] / block_size == blk; ++t1) {}
+    for (int64_t t = t0; t < t1; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      float amax = 0.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+        for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_f(s[i])));
+      }
+      float& scale = scp[h * sc.s0 + blk * sc.s1];
+      const float old = off0 > 0 ? scale : 0.f, nw = std::max(old, amax / 127.f);
+      int8_t* block = cp + (h * rows + blk * block_size) * D;
+      if (off0 > 0 && nw > old) {
+        const float ratio = old / nw;
+        for (int64_t i = 0; i < off0 * D; ++i) block[i] = static_cast<int8_t>(std::nearbyint(block[i] * ratio));
+      }
+      scale = nw;
+      const float div = nw > 0.f ? nw : 1.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+        int8_t* d = cp + (h * rows + slots[t]) * D;
+        for (int64_t i = 0; i < D; ++i)
+          d[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(to_f(s[i]) / div))));
+      }
+    }
+  }
+}
+
+// fp8 rows: divided by the head's scale, saturated at the format's max, rounded to nearest even (as Tensor.to).
+template <typename ST, typename FP8>
+void write_fp8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots) {
+  const int64_t T = src.size(0), Hkv = src.size(1), D = src.size(2), rows = cache.size(1);
+  const float fmax = static_cast<float>(std::numeric_limits<FP8>::max());
+  const ST* sp = src.data_ptr<ST>();
+  FP8* cp = static_cast<FP8*>(cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+      FP8* d = cp + (h * rows + slots[t]) * D;
+      const float div = sc.at(h, 0);
+      for (int64_t i = 0; i < D; ++i) d[i] = FP8(std::min(fmax, std::max(-fmax, to_f(s[i]) / div)));
+    }
+  }
+}
+
+template <typename ST>
+void write_quantized(const torch::Tensor& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots,
+                     int64_t block_size) {
+  switch (cache.scalar_type()) {
+    case at::kChar: write_int8_rows<ST>(src, cache, sc, slots, block_size); break;
+    case at::kFloat8_e4m3fn: write_fp8_rows<ST, c10::Float8_e4m3fn>(src, cache, sc, slots); break;
+    default: write_fp8_rows<ST, c10::Float8_e5m2>(src, cache, sc, slots); break;
+  }
+}
+
 }  // namespace
 
 // Writes the step's new K and V rows [T, Hkv, D] (row-strided views of the qkv output are fine) into the pool
 // rows named by slot_mapping [T] (int64), converting to the cache dtype: one call instead of two index_copy_
-// dispatches per layer, which cost more than the decode attention itself at batch 1.
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping) {
+// dispatches per layer, which cost more than the decode attention itself at batch 1. An int8 / fp8 pool takes
+// its scales (k_scale / v_scale [Hkv, num_blocks]) and block_size, and the rows are quantized on the way in.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+              c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, int64_t block_size) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be [T, Hkv, D] with contiguous head rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
@@ -422,13 +603,24 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               "caches must be contiguous [Hkv, slots, D]");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
   TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16, "k must be float32 or bfloat16");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-              "cache must be float32 or bfloat16");
+  const bool quantized = is_code_dtype(k_cache.scalar_type());
+  TORCH_CHECK(quantized || k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "cache must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
+              "int8 / fp8 caches need k_scale and v_scale, float caches take none");
+  TORCH_CHECK(!quantized || (block_size > 0 && k_cache.size(1) % block_size == 0), "bad block_size");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == k.size(0), "slot_mapping must be int64 [T]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const Scales ksc = scales_of(k_scale, k_cache), vsc = scales_of(v_scale, v_cache);
   pybind11::gil_scoped_release no_gil;
-  if (k.scalar_type() == at::kFloat) {
+  if (quantized && k.scalar_type() == at::kFloat) {
+    write_quantized<float>(k, k_cache, ksc, slots, block_size);
+    write_quantized<float>(v, v_cache, vsc, slots, block_size);
+  } else if (quantized) {
+    write_quantized<at::BFloat16>(k, k_cache, ksc, slots, block_size);
+    write_quantized<at::BFloat16>(v, v_cache, vsc, slots, block_size);
+  } else if (k.scalar_type() == at::kFloat) {
     scatter<float>(k, k_cache, slots);
     scatter<float>(v, v_cache, slots);
   } else {
@@ -443,7 +635,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 // attend, reshape) that took ~50 us a layer at batch 1, as long as the attention itself.
 torch::Tensor attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::Tensor k_cache, torch::Tensor v_cache,
                          torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-                         torch::Tensor query_start_loc, int64_t block_size, double scale, int64_t q_tile) {
+                         torch::Tensor query_start_loc, int64_t block_size, double scale, int64_t q_tile,
+                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
   TORCH_CHECK(k_cache.dim() == 3, "caches must be [Hkv, slots, D]");
   const int64_t T = qkv.size(0), Hkv = k_cache.size(0), D = k_cache.size(2), H = num_heads;
@@ -452,15 +645,25 @@ torch::Tensor attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::Tensor k_c
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) >= 1, "query_start_loc must be [B + 1]");
   const auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
   write_kv(qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D}), qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D}),
-           k_cache, v_cache, slot_mapping);
+           k_cache, v_cache, slot_mapping, k_scale, v_scale, block_size);
   auto out = torch::empty({T, H * D}, qkv.options());
   paged_attention_out(out.view({T, H, D}), q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
-                      scale, 0, query_start_loc.size(0) - 1, q_tile);
+                      scale, 0, query_start_loc.size(0) - 1, q_tile, k_scale, v_scale);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_out", &paged_attention_out, "paged attention over the block pool (in place)");
-  m.def("write_kv", &write_kv, "scatter new K/V rows into the pool slots");
-  m.def("attend_qkv", &attend_qkv, "write K/V of a fused qkv output into the pool and attend: [T, H * D]");
+  namespace py = pybind11;
+  m.def("paged_attention_out", &paged_attention_out, "paged attention over the block pool (in place)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"),
+        py::arg("seq_begin"), py::arg("seq_end"), py::arg("q_tile"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("write_kv", &write_kv, "scatter new K/V rows into the pool slots (quantizing for int8 / fp8 pools)",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("block_size") = 0);
+  m.def("attend_qkv", &attend_qkv, "write K/V of a fused qkv output into the pool and attend: [T, H * D]",
+        py::arg("qkv"), py::arg("num_heads"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"),
+        py::arg("scale"), py::arg("q_tile"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
 }

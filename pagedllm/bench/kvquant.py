@@ -1,0 +1,135 @@
+"""``pagedllm bench kvquant``: a quantized KV cache (int8, fp8) against the default one, in the same run.
+
+* capacity: tokens of SmolLM2 that fit in a fixed byte budget (scales counted);
+* perplexity on the Wikipedia summaries through the paged path (chunked prefill reading the pool back);
+* decode step time of the whole model at batch 1 with 1k / 4k / 8k tokens of context in the pool;
+* W1 throughput through the engine (scaled down unless ``--full``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from pagedllm.attention import AttentionMetadata, default_backend, get_backend, write_kv
+from pagedllm.bench.perplexity import paged_nll, wiki_token_ids
+from pagedllm.bench.report import Report, Table
+from pagedllm.kv.kv_cache import KVCache
+
+DTYPES = ("float32", "int8", "fp8_e4m3", "fp8_e5m2")
+BUDGET = 1 << 30
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--contexts", default="1024,4096,8192", help="decode-step context lengths")
+    p.add_argument("--full", action="store_true", help="the full W1 workload (default: 16 requests)")
+    p.add_argument("--ppl-tokens", type=int, default=8192, help="tokens scored for perplexity")
+
+
+def capacity(cfg) -> dict[str, int]:
+    dims = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16)
+    return {d: KVCache.num_blocks_for_budget(BUDGET, *dims, d) * 16 for d in DTYPES}
+
+
+def fill_pool(kv: KVCache) -> None:
+    """Random K/V in every slot (through the write path, so int8 scales are real)."""
+    g = torch.Generator().manual_seed(0)
+    slots = torch.arange(kv.num_blocks * kv.block_size)
+    for i in range(kv.num_layers):
+        x = torch.randn(len(slots), 2, kv.num_kv_heads, kv.head_dim, generator=g)
+        write_kv(x[:, 0], x[:, 1], *kv.layer(i), slots)
+
+
+@torch.inference_mode()
+def decode_step_ms(model, cfg, backend, dtype: str, ctx: int, steps: int) -> float:
+    """Median wall time of one batch-1 decode step of the whole model at ``ctx`` tokens of context."""
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-ctx // 16) + 1, 16, dtype=dtype)
+    fill_pool(kv)
+    meta = AttentionMetadata.build([1], [ctx], [list(range(kv.num_blocks))], 16)
+    tok = torch.tensor([42])
+    times = []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        model.compute_logits(model(tok, meta.positions, kv, meta, backend))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[2:])
+
+
+def throughput(dtype: str, full: bool) -> dict:
+    from pagedllm.bench.common import engine_warmup, make_llm, run_engine
+    from pagedllm.bench.workloads import W1, random_requests
+
+    w = dict(W1) if full else dict(num=16, prompt_range=(32, 256), output_range=(16, 64))
+    llm = make_llm("float32", kv_cache_dtype=dtype, kv_cache_memory=BUDGET)  # int8: ~4x the tokens
+    reqs = random_requests(llm.engine.tokenizer, w["num"], w["prompt_range"], w["output_range"])
+    engine_warmup(llm)
+    r = run_engine(llm, reqs, desc=f"W1 kv {dtype}", progress=False)
+    return {"workload": w, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s, "seconds": r.elapsed_s}
+
+
+def run(args) -> Report:
+    from pagedllm.models.llama import LlamaForCausalLM
+    from pagedllm.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None)
+    cfg = ckpt.config
+    model = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "auto")
+    backend = get_backend(default_backend())
+    quick = args.quick
+    contexts = [256, 1024] if quick else [int(c) for c in args.contexts.split(",")]
+    ppl_tokens, window = (1024, 512) if quick else (args.ppl_tokens, 1024)
+    ids = wiki_token_ids(ckpt.tokenizer, ppl_tokens)
+    res: dict = {"budget_bytes": BUDGET, "capacity_tokens": capacity(cfg), "backend": backend.name}
+    res["bytes_per_token"] = {d: KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, d) / 16
+                              for d in DTYPES}
+    res["perplexity"] = {}
+    for d in DTYPES:
+        kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-window // 16), 16, dtype=d)
+        nll, n = paged_nll(model, kv, backend, ids, window, 256)
+        res["perplexity"][d] = math.exp(nll / n)
+    steps = 3 if quick else 15
+    res["decode_ms"] = {d: {c: decode_step_ms(model, cfg, backend, d, c, steps) for c in contexts}
+                        for d in ("float32", "int8")}
+    res["throughput"] = {d: throughput(d, args.full) for d in (("float32", "int8") if not quick else ())}
+    return _report(res)
+
+
+def _report(r: dict) -> Report:
+    cap, ppl, dec = r["capacity_tokens"], r["perplexity"], r["decode_ms"]
+    base = ppl["float32"]
+    rows = [[d, r["bytes_per_token"][d], cap[d], cap[d] / cap["float32"], ppl[d], 100 * (ppl[d] / base - 1)]
+            for d in DTYPES]
+    tables = [Table(["kv cache", "bytes/token", f"tokens in {r['budget_bytes'] >> 20} MiB", "x fp32",
+                     "perplexity", "ppl delta %"], rows, digits=3)]
+    ctxs = list(dec["float32"])
+    tables.append(Table(["context", "fp32 ms/step", "int8 ms/step", "int8 speedup"],
+                        [[c, dec["float32"][c], dec["int8"][c], dec["float32"][c] / dec["int8"][c]] for c in ctxs],
+                        digits=2))
+    if r["throughput"]:
+        t = r["throughput"]
+        tables.append(Table(["kv cache", "output tok/s", "total tok/s", "seconds"],
+                            [[d, v["output_tok_s"], v["total_tok_s"], v["seconds"]] for d, v in t.items()], digits=1))
+    notes = [f"SmolLM2-135M-Instruct, fp32 activations, attention backend {r['backend']}; decode: batch 1, "
+             "whole model, median step; perplexity: Wikipedia summaries, windows of 1024, chunks of 256"]
+    rep = Report("kvquant", "Quantized KV cache: int8 / fp8 vs fp32", notes, tables)
+    rep.result = r
+    return rep
+
+
+def plot(fig, result: dict) -> None:
+    dec = result["decode_ms"]
+    ax = fig.add_subplot(121)
+    ctxs = list(dec["float32"])
+    for d in dec:
+        ax.plot(ctxs, [dec[d][c] for c in ctxs], marker="o", label=d)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("ms / decode step (batch 1)")
+    ax.legend()
+    ax2 = fig.add_subplot(122)
+    cap = result["capacity_tokens"]
+    ax2.bar(list(cap), list(cap.values()), color="#4c72b0")
+    ax2.set_ylabel(f"tokens in {result['budget_bytes'] >> 20} MiB")
