@@ -383,6 +383,9 @@ class EngineCore:
             "prompt_tokens_cached": self.stats.prompt_tokens_cached,
             "generation_tokens": self.stats.generation_tokens,
             "num_steps": self.stats.num_steps,
+            "kv_dtype": self.spec.kv_pool["dtype"],
+            "kv_bytes_per_token": self.spec.kv_pool["bytes_per_token"],
+            "kv_capacity_tokens": self.spec.kv_pool["capacity_tokens"],
             **({} if self.speculator is None else {
                 "spec_drafts": self.speculator.stats.num_drafts,
                 "spec_accepted": self.speculator.stats.num_accepted,

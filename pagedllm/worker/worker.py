@@ -42,6 +42,7 @@ class KVCacheSpec:
     kv_dtype: str
     backend: str
     device: str
+    kv_pool: dict  # KVCache.describe(): dtype, bytes per token (scales included), capacity in tokens
 
 
 def backend_for(device: torch.device, requested: str) -> str:
@@ -90,7 +91,7 @@ class Worker:
         self._pending_generators: dict[tuple[int, int], torch.Generator | None] = {}
         self.spec = KVCacheSpec(num_blocks, num_host_blocks, args.block_size, max_model_len, cfg.vocab_size, eos,
                                 args.model or "SmolLM2-135M-Instruct", model.quantization, str(dtype).split(".")[-1],
-                                str(kv_dtype).split(".")[-1], backend, str(self.device))
+                                str(kv_dtype).split(".")[-1], backend, str(self.device), self.kv_cache.describe())
 
     @property
     def model(self) -> LlamaForCausalLM:

@@ -19,7 +19,7 @@ def _greedy(llm: LLM, n: int) -> list[list[int]]:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_tiny_model_runs_on_quantized_cache(tiny_model_dir, kv_dtype):
     llm = LLM(tiny_model_dir, kv_cache_dtype=kv_dtype, num_blocks=64, dtype="float32")
-    kv = llm.engine.kv_cache
+    kv = llm.engine.runner.kv_cache
     assert kv.describe()["dtype"] == str(kv.dtype).removeprefix("torch.") and kv.scales is not None
     outs = _greedy(llm, 8)
     assert all(len(o) == 8 for o in outs)

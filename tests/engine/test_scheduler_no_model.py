@@ -27,7 +27,8 @@ class FakeExecutor(Executor):
 
     def __init__(self, num_blocks: int, num_host_blocks: int = 0, max_model_len: int = 512) -> None:
         self.spec = KVCacheSpec(num_blocks, num_host_blocks, BS, max_model_len, VOCAB, [VOCAB - 1], "fake", "none",
-                                "float32", "float32", "none", "cpu")
+                                "float32", "float32", "none", "cpu",
+                                {"dtype": "float32", "bytes_per_token": 0.0, "capacity_tokens": num_blocks * BS})
         self.batch = InputBatch(max_model_len, BS, VOCAB, torch.device("cpu"), initial_rows=2)
         self.steps: list[SchedulerOutput] = []
         self.core: EngineCore | None = None
