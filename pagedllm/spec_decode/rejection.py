@@ -117,3 +117,23 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_dr
     out = torch.cat([out, torch.zeros(B, 1, dtype=torch.int64)], 1)
     out[rows, n] = token
     return _split(out, n + 1)
+
+
+def verify(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, greedy: torch.Tensor,
+           draft_probs: torch.Tensor | None = None,
+           generators: Sequence[torch.Generator | None] | None = None) -> list[list[int]]:
+    """A mixed batch: rows where ``greedy [B]`` is True go through ``greedy_verify``, the others
+    through ``rejection_sample``; results in row order."""
+    out: list[list[int]] = [[] for _ in range(len(greedy))]
+    g_rows, s_rows = greedy.nonzero().flatten(), (~greedy).nonzero().flatten()
+    if len(g_rows):
+        part = greedy_verify(target_probs[g_rows], draft_ids[g_rows], num_drafts[g_rows])
+        for r, toks in zip(g_rows.tolist(), part):
+            out[r] = toks
+    if len(s_rows):
+        gens = None if generators is None else [generators[i] for i in s_rows.tolist()]
+        q = None if draft_probs is None else draft_probs[s_rows]
+        part = rejection_sample(target_probs[s_rows], draft_ids[s_rows], num_drafts[s_rows], q, gens)
+        for r, toks in zip(s_rows.tolist(), part):
+            out[r] = toks
+    return out

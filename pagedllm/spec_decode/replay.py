@@ -59,23 +59,23 @@ def replay_acceptance(proposer: Proposer, prompts: Sequence[Sequence[int]], outp
         proposer.start_request(rid, p)
     pos = [0] * len(prompts)
     stats = AcceptanceStats(num_tokens=sum(map(len, outputs)))
-    vocab = 1 + max(max(o, default=0) for o in outputs)
+    out_vocab = 1 + max(max(o, default=0) for o in outputs)
     while True:
         live = [i for i, o in enumerate(outputs) if pos[i] < len(o)]
         if not live:
             break
         ks = [min(k, len(outputs[i]) - pos[i] - 1) for i in live]  # leave the last token to the target
         hists = [list(prompts[i]) + list(outputs[i][: pos[i]]) for i in live]
-        drafts = proposer.propose(hists, ks, [ids[i] for i in live]).token_ids
+        drafts = [d[:ki] for d, ki in zip(proposer.propose(hists, ks, [ids[i] for i in live]).token_ids, ks)]
+        vocab = max([out_vocab] + [1 + t for d in drafts for t in d])
         K = max(ks)
         draft_ids = torch.zeros(len(live), K, dtype=torch.int64)
         truth = torch.zeros(len(live), K + 1, dtype=torch.int64)
-        for row, (i, d, ki) in enumerate(zip(live, drafts, ks)):
-            d = [t if t < vocab else 0 for t in d[:ki]]  # a token the output never holds cannot match anyway
+        for row, (i, d) in enumerate(zip(live, drafts)):
             draft_ids[row, : len(d)] = torch.tensor(d, dtype=torch.int64)
             nxt = outputs[i][pos[i]: pos[i] + K + 1]
             truth[row, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
-        num_drafts = torch.tensor([min(len(d), ki) for d, ki in zip(drafts, ks)])
+        num_drafts = torch.tensor([len(d) for d in drafts])
         target = torch.nn.functional.one_hot(truth, vocab).float()
         gained = greedy_verify(target, draft_ids, num_drafts)
         for row, (i, got) in enumerate(zip(live, gained)):

@@ -17,7 +17,6 @@ from pagedllm.spec_decode.suffix_tree import SuffixTrie
 @dataclass
 class _Request:
     trie: SuffixTrie
-    prompt_len: int
     seen: int  # history tokens already in the trie
     output: list[int] = field(default_factory=list)  # tokens after the prompt, for the global trie
 
@@ -36,14 +35,14 @@ class SuffixProposer(Proposer):
         self.max_match = max_match
         self.min_prob = min_token_prob
         self.global_trie = SuffixTrie(max_tree_depth)
-        self.cached: OrderedDict[int, list[int]] = OrderedDict()
-        self._keys = itertools.count()  # finished outputs, oldest first
+        self.cached: OrderedDict[int, list[int]] = OrderedDict()  # finished outputs, oldest first
+        self._keys = itertools.count()
         self.requests: dict[str, _Request] = {}
 
     def start_request(self, req_id, prompt_ids) -> None:
         trie = SuffixTrie(self.max_depth)
         trie.extend(req_id, prompt_ids)
-        self.requests[req_id] = _Request(trie, len(prompt_ids), len(prompt_ids))
+        self.requests[req_id] = _Request(trie, len(prompt_ids))
 
     def finish_request(self, req_id) -> None:
         req = self.requests.pop(req_id, None)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pagedllm.spec_decode.rejection import greedy_verify, pad_flat, rejection_sample
+from pagedllm.spec_decode.rejection import greedy_verify, pad_flat, rejection_sample, verify
 
 V = 8
 N = 20_000
@@ -84,3 +84,15 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     mixed = [run([None, 8, None, 10]) for _ in range(5)]
     assert all(m[1] == results[0][1] and m[3] == results[0][3] for m in mixed)
     assert len({tuple(map(tuple, run([s] * 4))) for s in range(20)}) > 1  # the seed does matter
+
+
+def test_mixed_batch_routes_rows():
+    p, _ = _distributions(3)
+    target = p[None].expand(3, 3, V).contiguous()
+    best = p.argmax(-1)
+    drafts = torch.stack([best[:2], best[:2], best[:2]])
+    gens = [None, torch.Generator().manual_seed(1), None]
+    out = verify(target, drafts, torch.tensor([2, 2, 1]), torch.tensor([True, False, True]), None, gens)
+    assert out[0] == best.tolist() and out[2] == best[:2].tolist()
+    alone = rejection_sample(target[1:2], drafts[1:2], torch.tensor([2]), None, [torch.Generator().manual_seed(1)])
+    assert out[1] == alone[0]
