@@ -105,7 +105,8 @@ def copy_workload(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--method", default="ngram", choices=("ngram", "suffix"))
+    ap.add_argument("--method", default="ngram", choices=("ngram", "suffix", "draft_model"))
+    ap.add_argument("--num-layers", type=int, default=None, help="draft_model: self-speculative draft depth")
     ap.add_argument("-k", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256, help="output length of the copy workload")
@@ -128,9 +129,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     outputs = [o.outputs[0].token_ids for o in outs]
     for k in args.k:
-        proposer = make_proposer(SpeculativeConfig.from_dict({"method": args.method, "num_speculative_tokens": k}))
+        spec = {"method": args.method, "num_speculative_tokens": k}
+        if args.method == "draft_model":
+            spec["num_layers"] = args.num_layers
+        runner = llm.engine.runner
+        proposer = make_proposer(SpeculativeConfig.from_dict(spec), runner.model, runner.backend, runner.block_size)
         stats = replay_acceptance(proposer, prompts, outputs, k)
-        print(json.dumps({"workload": args.workload, "method": args.method, "k": k, **stats.as_dict()}))
+        print(json.dumps({"workload": args.workload, "method": args.method, "num_layers": args.num_layers, "k": k,
+                          **stats.as_dict()}))
 
 
 if __name__ == "__main__":
