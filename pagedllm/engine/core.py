@@ -20,7 +20,7 @@ from pagedllm.engine.core_io import EngineCoreOutput, EngineCoreRequest, SeqDelt
 from pagedllm.engine.limits import RequestLimits
 from pagedllm.engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
-from pagedllm.engine.speculation import Proposer, Speculator
+from pagedllm.engine.speculation import Speculator
 from pagedllm.engine.step_io import Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq, SchedulerOutput
 from pagedllm.executor import Executor, make_executor
 from pagedllm.executor.multiproc import WorkerError
@@ -45,7 +45,7 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, executor: Executor | None = None, proposer: Proposer | None = None) -> None:
+    def __init__(self, args: EngineArgs, executor: Executor | None = None) -> None:
         self.args = args
         self.executor = executor or make_executor(args)
         spec = self.executor.spec
@@ -60,7 +60,8 @@ class EngineCore:
             preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching))
         self.beam = BeamSearch(self)
         self._structured = None  # StructuredOutputManager, made with the first structured request
-        self.speculator = Speculator.from_config(args.speculative_config, proposer)
+        self.speculator = Speculator.from_config(args.speculative_config, getattr(self.executor, "worker", None),
+                                                 spec.block_size)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._forks: list[tuple[int, int, int]] = []  # for the next SchedulerOutput
@@ -81,6 +82,8 @@ class EngineCore:
         req.seqs.append(seq)
         if r.params.structured_outputs is not None:
             self.structured.add(seq.seq_id, r.params.structured_outputs)
+        if self.speculator is not None:
+            self.speculator.start(r.request_id, req.prompt_token_ids)
         self.requests[r.request_id] = req
         self.scheduler.add(req)
 
@@ -242,7 +245,7 @@ class EngineCore:
                 kept = max(len(out.token_ids) - 1, 0)
                 seq.num_computed -= c.num_spec - kept
                 self.kv.free_tail(seq.seq_id, seq.num_computed)
-                self.speculator.record(seq, c.num_spec, kept)
+                self.speculator.record(seq, c.num_spec, kept, out.token_ids)
                 seq.spec_token_ids = []
                 if kept:  # the kept drafts' KV is in the pool before they join token_ids below
                     ids = ids + out.token_ids[:kept]

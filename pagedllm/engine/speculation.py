@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pagedllm.engine.sequence import Request, Sequence
+from pagedllm.spec_decode import Proposer, SpeculativeConfig, make_proposer
 
 MIN_TRIES = 16  # drafts a request gets before its acceptance can switch speculation off
 MIN_ACCEPTANCE = 0.15  # below this fraction of drafts kept, drafting costs more than it saves
-
-
-class Proposer(Protocol):
-    def propose(self, histories: list[list[int]], num_tokens: list[int]) -> list[list[int]]:
-        """Up to ``num_tokens[i]`` draft tokens to follow each history (fewer or none is fine)."""
 
 
 @dataclass
@@ -55,8 +51,9 @@ class Speculator:
     _records: dict[str, _RequestRecord] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: str | dict[str, Any] | None, proposer: Proposer | None = None) -> "Speculator | None":
-        """vLLM's ``speculative_config`` (a dict or its JSON text); None: no speculation."""
+    def from_config(cls, config: str | dict[str, Any] | None, worker=None, block_size: int = 16) -> "Speculator | None":
+        """vLLM's ``speculative_config`` (a dict or its JSON text); None: no speculation. A draft model
+        needs the target's weights: ``worker`` is the in-process worker (the ``uni`` executor)."""
         if config is None or config == "":
             return None
         if isinstance(config, str):
@@ -64,16 +61,12 @@ class Speculator:
                 config = json.loads(config)
             except ValueError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
-        k = config.get("num_speculative_tokens")
-        if not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
-        if proposer is None:
-            from pagedllm.spec_decode import make_proposer
-
-            proposer = make_proposer(config)
-        return cls(proposer, k)
+        cfg = SpeculativeConfig.from_dict(config)
+        if cfg.method == "draft_model" and worker is None:
+            raise ValueError("speculative_config.method 'draft_model' runs the draft beside the target: use "
+                             "distributed_executor_backend='uni'")
+        target, backend = (worker.model, worker.runner.backend) if worker is not None else (None, None)
+        return cls(make_proposer(cfg, target, backend, block_size), cfg.num_speculative_tokens)
 
     def eligible(self, seq: Sequence) -> bool:
         """Drafts only where verification is exact and cheap: one sample, no beam, no penalty or bias
@@ -102,11 +95,16 @@ class Speculator:
                     ks.append(k)
         if not seqs:
             return
-        drafts = self.proposer.propose([s.token_ids for s in seqs], ks)
-        for seq, k, d in zip(seqs, ks, drafts):
+        proposal = self.proposer.propose([s.token_ids for s in seqs], ks, [s.request.request_id for s in seqs])
+        for seq, k, d in zip(seqs, ks, proposal.token_ids):
             seq.spec_token_ids = list(d[:k])
 
-    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    def start(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.proposer.start_request(request_id, prompt_ids)
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int, gained: list[int]) -> None:
+        """After verification: ``gained`` are the tokens the sequence got (kept drafts + the target's)."""
+        self.proposer.on_accepted(seq.request.request_id, gained, num_drafts)
         self.stats.num_steps += 1
         self.stats.num_drafts += num_drafts
         self.stats.num_accepted += num_accepted
@@ -116,3 +114,4 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._records.pop(request_id, None)
+        self.proposer.finish_request(request_id)

@@ -1,23 +1,19 @@
-"""Verification of draft tokens (speculative decoding) against the target's logits of one forward pass.
-
-Greedy: the longest prefix of drafts equal to the target's argmax, plus the target's next token.
-Sampling: the rejection rule of Leviathan et al. / Chen et al. (2023) for a proposer that gives
-tokens without a distribution (n-gram, suffix: q is one-hot), so the output distribution is the
-target's: draft ``d_t`` is kept with probability ``p_t(d_t)``; at the first rejection the token is
-drawn from ``p_t`` with ``d_t`` removed (``norm(max(0, p - q))``); if every draft is kept, one more
-token is drawn from ``p_k``. Each sequence is verified over all its positions at once.
-"""
+"""Draft verification on the worker: the step's logits at each drafted sequence's last real token
+and at its drafts become the target's distributions (raw logits for greedy rows; temperature,
+top-k/p and min-p applied for sampled ones), and ``spec_decode.rejection.verify`` keeps the longest
+accepted prefix plus one token from the target, for the whole batch at once."""
 
 from __future__ import annotations
 
 import torch
 
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.spec_decode.rejection import pad_flat, verify
 from pagedllm.worker.sampler import filter_logits
 
 
-def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The target's sampling distribution at every position (temperature, top-k/p, min-p)."""
+def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The target's sampling distribution at every row of ``logits`` (temperature, top-k/p, min-p)."""
     scaled = logits / p.temperature
     if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
         n, vocab = scaled.shape
@@ -26,29 +22,19 @@ def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return scaled.softmax(-1)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from ``probs`` (exponential race, as the batched sampler draws)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
-
-
-def verify(logits: torch.Tensor, drafts: list[int], p: SamplingParams,
-           generator: torch.Generator | None) -> tuple[list[int], list[float]]:
-    """``logits [k + 1, vocab]`` (float32) at the last real token and at each of the ``k`` drafts.
-    Returns the kept drafts plus one token from the target, and each token's logprob."""
-    k = len(drafts)
-    d = torch.tensor(drafts, dtype=torch.int64)
-    if p.temperature == 0:
-        target = logits.argmax(-1)
-        kept = int((target[:k] == d).to(torch.int64).cumprod(0).sum())
-        tokens = drafts[:kept] + [int(target[kept])]
-    else:
-        probs = _probs(logits, p)
-        u = torch.rand(k, generator=generator)
-        kept = int((u < probs[torch.arange(k), d]).to(torch.int64).cumprod(0).sum())
-        last = probs[kept].clone()
-        if kept < k:
-            last[drafts[kept]] = 0.0
-        tokens = drafts[:kept] + [_draw(last / last.sum(), generator)]
-    logprobs = logits[: kept + 1].log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    return tokens, logprobs.tolist()
+def verify_drafts(logits: list[torch.Tensor], drafts: list[list[int]], params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[tuple[list[int], list[float]]]:
+    """``logits[i] [k_i + 1, vocab]`` for sequence i's drafts ``drafts[i]``; returns per sequence the
+    kept drafts plus the target's token, and each token's logprob under the raw model."""
+    greedy = torch.tensor([p.temperature == 0 for p in params])
+    dists = [lg if p.temperature == 0 else target_probs(lg, p) for lg, p in zip(logits, params)]
+    counts = [len(d) + 1 for d in drafts]
+    target = pad_flat(torch.cat(dists), counts)
+    width = max(counts) - 1
+    draft_ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.int64).reshape(len(drafts), width)
+    kept = verify(target, draft_ids, torch.tensor([len(d) for d in drafts]), greedy, None, generators)
+    out = []
+    for lg, toks in zip(logits, kept):
+        lp = lg[: len(toks)].log_softmax(-1).gather(1, torch.tensor(toks)[:, None])[:, 0]
+        out.append((toks, lp.tolist()))
+    return out

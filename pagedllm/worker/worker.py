@@ -20,7 +20,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
 from pagedllm.worker.input_batch import InputBatch, make_generator
 from pagedllm.worker.sampler import Sampler, SamplingBatch
-from pagedllm.worker.spec_verify import verify
+from pagedllm.worker.spec_verify import verify_drafts
 from pagedllm.structured.state import apply_bitmask
 
 log = logging.getLogger("pagedllm.worker")
@@ -184,11 +184,13 @@ class Worker:
                 outs[i].beam_topk = Logprobs(ids[n:n + 1, :kk], vals[n:n + 1, :kk])
         if sample_rows:
             self._sample(so, rows, logits, sample_rows, sample_keys, outs)
-        for i, first in spec_of.items():
-            s, row = so.scheduled[i], rows[i]
-            k = len(s.spec_token_ids)
-            outs[i].token_ids, outs[i].logprobs = verify(logits[first:first + k + 1], s.spec_token_ids,
-                                                         batch.params[row], batch.generators[row])
+        if spec_of:
+            idx = list(spec_of)
+            spans = [logits[first:first + len(so.scheduled[i].spec_token_ids) + 1] for i, first in spec_of.items()]
+            kept = verify_drafts(spans, [so.scheduled[i].spec_token_ids for i in idx],
+                                 [batch.params[rows[i]] for i in idx], [batch.generators[rows[i]] for i in idx])
+            for i, (toks, lps) in zip(idx, kept):
+                outs[i].token_ids, outs[i].logprobs = toks, lps
         return ModelRunnerOutput(outs)
 
     def _sample(self, so: SchedulerOutput, rows: list[int], logits: torch.Tensor, sample_rows: list[int],

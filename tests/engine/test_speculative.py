@@ -4,17 +4,15 @@ rejection rule keeping the target's distribution."""
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker.spec_verify import verify
+from pagedllm.spec_decode import Proposal, Proposer
+from pagedllm.worker.spec_verify import verify_drafts
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes the known greedy continuation, with every third draft run wrong from its second token on
     (so both acceptance and rejection happen)."""
 
@@ -22,7 +20,7 @@ class OracleProposer:
         self.references = references
         self.calls = 0
 
-    def propose(self, histories: list[list[int]], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, histories, num_tokens, req_ids=None) -> Proposal:
         out = []
         for h, k in zip(histories, num_tokens):
             self.calls += 1
@@ -31,11 +29,11 @@ class OracleProposer:
             if self.calls % 3 == 0 and len(d) > 1:
                 d[1:] = [(t + 1) % 1000 for t in d[1:]]
             out.append(d)
-        return out
+        return Proposal(out)
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_greedy_with_drafts_equals_greedy_without(model, tiny_model_dir, smollm2_path, wiki_texts, monkeypatch):
+def test_greedy_with_drafts_equals_greedy_without(model, tiny_model_dir, smollm2_path, wiki_texts):
     path = tiny_model_dir if model == "tiny" else smollm2_path
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [t[:200] for t in wiki_texts[:3]]
@@ -43,9 +41,9 @@ def test_greedy_with_drafts_equals_greedy_without(model, tiny_model_dir, smollm2
     ref = plain.generate(prompts, sp, use_tqdm=False)
     full = [o.prompt_token_ids + o.outputs[0].token_ids for o in ref]
     proposer = OracleProposer(full)
-    monkeypatch.setitem(sys.modules, "pagedllm.spec_decode", types.SimpleNamespace(make_proposer=lambda c: proposer))
     spec = LLM(path, kv_cache_memory=64 << 20, check_integrity=True,
-               speculative_config='{"method": "oracle", "num_speculative_tokens": 4}')
+               speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    spec.engine.core.speculator.proposer = proposer
     got = spec.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     stats = spec.engine.core.speculator.stats
@@ -66,7 +64,7 @@ def test_rejection_rule_keeps_the_target_distribution():
     counts = torch.zeros(8)
     n = 4000
     for _ in range(n):
-        toks, _ = verify(logits, [3, 5], p, g)
+        (toks, _), = verify_drafts([logits], [[3, 5]], [p], [g])
         counts[toks[0]] += 1
     tv = 0.5 * (counts / n - want).abs().sum()
     assert tv < 0.05, f"total variation {tv:.3f}"  # ~0.016 expected at this n; a biased rule gives > 0.3
