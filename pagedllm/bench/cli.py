@@ -24,6 +24,7 @@ BENCHES = {
     "context": "long context: ms/token vs length to 8k, mixed batch, chat growth; paged vs HF DynamicCache",
     "decode": "decode step time at batch 1/8/32/64 per attention backend vs HF generate",
     "perplexity": "perplexity through the paged path (chunked prefill) vs HF on Wikipedia text",
+    "spec": "speculative decoding (ngram / suffix / draft model) vs none: speedup and acceptance, batch 1 and 16",
     "compare": "W1 on this checkout vs a git revision (--rev), alternating fresh processes: the new/old ratio",
     "alloc": "block manager microbenchmark",
     "attention": "attention backend microbenchmark",

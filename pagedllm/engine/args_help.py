@@ -27,6 +27,10 @@ ENGINE_FLAG_HELP = {
     "attention_backend": "auto, cpu, reference, flex or triton",
     "check_integrity": "verify the KV pool's bookkeeping after every step (slow; for debugging)",
     "seed": "random seed of the engine",
+    "device": "where the model, KV cache and sampler live: auto (cuda when available, else cpu), cpu, cuda[:N]",
+    "distributed_executor_backend": "where the worker runs: uni (in the engine core's process) or mp (a child process)",
+    "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                          "(methods: ngram, suffix, draft_model with model or num_layers)",
 }
 
 SIZE_FIELDS = ("kv_cache_memory", "swap_space")

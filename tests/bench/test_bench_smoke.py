@@ -24,6 +24,7 @@ TINY = {
     "alloc": [],
     "attention": [],
     "structured": ["--batch-sizes", "2", "--steps", "3"],
+    "spec": ["--batches", "1", "--max-tokens", "12"],
 }
 
 
@@ -243,3 +244,10 @@ def test_structured(outdir, capsys):
     r = run_bench("structured", outdir, capsys)["result"]
     assert r["batch_sizes"] == [2] and len(r["overhead"]) == 1
     assert r["ms"]["structured (mask + accept)"][0] > 0 and r["ms"]["decode step"][0] > 0
+
+
+def test_spec(outdir, capsys):
+    r = run_bench("spec", outdir, capsys)["result"]
+    assert [x["workload"] for x in r["runs"]] == ["copy", "W1"]
+    assert all(x["identical"] for x in r["runs"])  # greedy: speculation changes no token
+    assert all(x["tok_s_on"] > 0 and x["tok_s_off"] > 0 for x in r["runs"])
