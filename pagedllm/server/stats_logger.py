@@ -34,7 +34,9 @@ def stats_line(now: dict, before: _Mark, seconds: float) -> str:
     return (f"prompt throughput: {(cur.prompt - before.prompt) / seconds:.1f} tok/s, generation throughput: "
             f"{(cur.generation - before.generation) / seconds:.1f} tok/s, running: {now['running']} reqs, "
             f"waiting: {now['waiting']} reqs, KV cache usage: {100.0 * now['usage']:.1f}%, "
-            f"prefix cache hit rate: {hit_rate:.1f}%")
+            f"prefix cache hit rate: {hit_rate:.1f}%"
+            + (f", spec acceptance: {100.0 * now['spec_acceptance_rate']:.1f}% "
+               f"(mean accepted length {now['spec_mean_accepted_length']:.2f})" if "spec_acceptance_rate" in now else ""))
 
 
 async def log_stats(engine, interval_s: float) -> None:
