@@ -35,6 +35,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the output must match a grammar
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (the first is None)
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
@@ -82,13 +84,21 @@ class SamplingParams:
         self._validate_extras(need)
 
     def _validate_extras(self, need) -> None:
-        """The vLLM extras: structured outputs, best_of, stop-string inclusion, truncation."""
+        """The vLLM extras: structured outputs, logit bias, prompt logprobs, best_of, truncation."""
         if self.structured_outputs is not None:
             from pagedllm.structured import StructuredOutputsParams
 
             need(isinstance(self.structured_outputs, StructuredOutputsParams),
                  f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
             need(not self.use_beam_search, "structured_outputs cannot be combined with beam search")
+        if self.logit_bias is not None:
+            need(isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+                f"logit_bias keys must be non-negative token ids, got {self.logit_bias!r}")
+            need(all(isinstance(v, (int, float)) and -100 <= v <= 100 for v in self.logit_bias.values()),
+                 f"logit_bias values must be numbers in [-100, 100], got {self.logit_bias!r}")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         need(isinstance(self.include_stop_str_in_output, bool),
              f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
         need(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
