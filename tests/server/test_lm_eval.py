@@ -54,7 +54,7 @@ def test_scores_through_server_equal_hf_backend(smollm2_dir, monkeypatch):
         ours = evaluate("local-completions", {
             "base_url": f"{srv.url}/v1/completions", "model": srv.engine.model_name,
             "tokenizer_backend": "huggingface", "tokenizer": smollm2_dir, "tokenized_requests": True,
-            "num_concurrent": 4, "max_retries": 1, "batch_size": 8}, monkeypatch)
+            "num_concurrent": 2, "max_retries": 1, "batch_size": 16}, monkeypatch)
     hf = evaluate("hf", {"pretrained": smollm2_dir, "dtype": "float32", "device": "cpu", "batch_size": 16},
                   monkeypatch)
     assert ours == pytest.approx(hf, abs=1e-9)
