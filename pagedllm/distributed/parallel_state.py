@@ -61,30 +61,34 @@ def default_backend() -> str:
 
 def init_tp_group(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
                   backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
-    """Join a ``world_size``-rank group as ``rank`` (rendezvous over TCP at ``master_addr:master_port``); on
-    CUDA each rank takes the device ``rank % device_count``. ValueError names a bad rank or size."""
+    """Join a ``world_size``-rank group as ``rank`` (rendezvous over TCP at ``master_addr:master_port``, which
+    rank 0 serves). ValueError names a bad rank or size."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return _join(f"tcp://{master_addr}:{master_port}", rank, world_size, backend, timeout_s)
+
+
+def init_tp_group_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+    """Join the group ``torchrun`` describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    and its agent's store): one node or many (``--nnodes``, ``--node-rank``, ``--master-addr``)."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"not launched by torchrun: {', '.join(missing)} unset")
+    return _join("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, timeout_s)
+
+
+def _join(init_method: str, rank: int, world_size: int, backend: str | None, timeout_s: float) -> TPGroup:
+    """``init_process_group`` with the collectives' timeout; on CUDA each rank takes device ``rank % count``."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     return TPGroup(rank, world_size, timeout_s)
-
-
-def init_tp_group_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
-    """Join the group ``torchrun`` describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT): one node or many (``--nnodes``, ``--node-rank``, ``--master-addr``)."""
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise ValueError(f"not launched by torchrun: {', '.join(missing)} unset")
-    return init_tp_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
-                         int(os.environ["MASTER_PORT"]), backend, timeout_s)
 
 
 def destroy_tp_group() -> None:

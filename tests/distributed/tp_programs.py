@@ -7,6 +7,7 @@ unchanged ModelRunner with a KV cache of this rank's KV heads. Module-level func
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.model_runner import ModelRunner, greedy_generate
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.quant import load_blocks
 
 BLOCK_SIZE = 16
 Result = tuple[list[list[int]], list[torch.Tensor]]  # greedy ids and float32 logits of each prompt
@@ -38,22 +40,36 @@ def tiny_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> LlamaFo
     return model
 
 
-def tiny_rank(tp: TPGroup | None, models: list[tuple[ModelConfig, str]], prompts: list[list[int]], n_new: int,
+@dataclass(frozen=True)
+class TinySpec:
+    """A tiny model for the ranks: its config, its HF-named weights (torch.save'd), optionally its matrices in
+    GGUF blocks (``save_blocks``'d) and multiplied on int8 activations (gguf-a8: packed after sharding)."""
+
+    cfg: ModelConfig
+    weights: str
+    blocks: str | None = None
+    int8_activations: bool = False
+
+
+def tiny_rank(tp: TPGroup | None, specs: list[TinySpec], prompts: list[list[int]], n_new: int,
               backends: tuple[str, ...]) -> list[Result]:
-    """Every (model, backend) pair's greedy result on this rank's shard (``tp`` None: unsharded); each model
-    is a config and the path of its saved HF-named weights."""
+    """Every (model, backend) pair's greedy result on this rank's shard (``tp`` None: unsharded)."""
     out = []
-    for cfg, path in models:
-        model = tiny_model(cfg, torch.load(path))
+    for spec in specs:
+        model = tiny_model(spec.cfg, torch.load(spec.weights))
+        if spec.blocks:
+            model.use_gguf_blocks(load_blocks(spec.blocks))
         if tp is not None:
             shard_model(model, tp)
+        if spec.int8_activations:
+            model.pack_for_int8_activations()
         out.extend(greedy(model, prompts, n_new, b) for b in backends)
     return out
 
 
 def checkpoint_rank(tp: TPGroup | None, model_path: str | None, prompts: list[list[int]], n_new: int,
                     backend: str, quantization: str = "auto") -> Result:
-    """A real checkpoint (``load_checkpoint`` path) loaded and sharded on this rank."""
+    """A real checkpoint (``load_checkpoint`` path) loaded, and sharded on this rank."""
     from pagedllm.models.loader import load_checkpoint
 
     ckpt = load_checkpoint(model_path)
