@@ -1,4 +1,4 @@
-"""Engine fixtures: the embedded model and a tiny random Llama sharing its tokenizer."""
+"""Engine fixtures: the embedded model's path."""
 
 from __future__ import annotations
 
