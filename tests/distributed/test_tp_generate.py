@@ -34,48 +34,35 @@ def assert_same(results, reference) -> None:
             assert got.shape == want.shape and (got - want).abs().max().item() < 1e-4, f"rank {rank}"
 
 
-def test_tiny_qwen2_tp2_equals_tp1(tmp_path, oracle_prompts):
-    """TP=2 on tiny random Qwen2 configs (qkv bias, untied head): 2 KV heads (one per rank) and 1 KV head
-    (replicated on both ranks), on the reference and the C++ attention backends (flex's compile per rank costs
-    minutes here and adds nothing: a backend sees one rank's heads like any smaller model's)."""
-    specs = []
-    for kv_heads in (2, 1):
-        hf, cfg = tiny_hf_model("qwen2", vocab=TINY_VOCAB, kv_heads=kv_heads)
-        path = tmp_path / f"kv{kv_heads}.pt"
-        torch.save(hf.state_dict(), path)
-        specs.append(TinySpec(cfg, str(path)))
-    backends = tuple(b for b in BACKENDS if b in ("reference", "cpu"))
-    args = (specs, oracle_prompts, N_NEW, backends)
-    reference = tiny_rank(None, *args)
-    ranks = run_tensor_parallel(tiny_rank, 2, args, timeout_s=60)
-    for i, want in enumerate(reference):
-        assert_same([r[i] for r in ranks], want)
-
-
 def gguf_blocks(state_dict: dict[str, torch.Tensor], path: str) -> None:
     """Save the weight matrices of an HF state dict as Q4_1 blocks (``save_blocks``), for ``use_gguf_blocks``."""
-    blocks = {}
-    for name, w in state_dict.items():
-        if w.dim() == 2:
-            data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
-            blocks[name] = QuantizedWeight(torch.from_numpy(data), int(gguf.GGMLQuantizationType.Q4_1), tuple(w.shape))
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    blocks = {name: QuantizedWeight(torch.from_numpy(gguf.quants.quantize(w.numpy(), q4_1)), int(q4_1), tuple(w.shape))
+              for name, w in state_dict.items() if w.dim() == 2}
     save_blocks(blocks, path)
 
 
-@pytest.mark.skipif(not kernel_available(int8_activations=True), reason="the AVX2 C++ kernels could not be built")
-def test_tiny_gguf_blocks_tp2(tmp_path, oracle_prompts):
-    """TP=2 on a tiny Qwen2 whose matrices are Q4_1 blocks, sharded in blocks, with exact fp32 activations
-    (gguf) and with int8-rounded ones (gguf-a8, packed after sharding): each equals its TP=1 run.
+def test_tiny_qwen2_tp2_equals_tp1(tmp_path, oracle_prompts):
+    """TP=2 on tiny random Qwen2 configs (qkv bias, untied head), each equal to its TP=1 run:
+    - 2 KV heads (one per rank) and 1 KV head (replicated on both ranks), on the reference and the C++ attention
+      backends (flex's compile per rank costs minutes here and adds nothing: a backend sees one rank's heads
+      like any smaller model's);
+    - its matrices as Q4_1 blocks, sharded in blocks, with exact fp32 activations (gguf) and with int8-rounded
+      ones (gguf-a8, packed after sharding).
 
     gguf-a8's rounding turns the all-reduce's summation order (1e-7 relative) into rare rounding flips; two
     layers leave them below 1e-4, but through SmolLM2's 30 layers they grow to ~1 logit, the size of gguf-a8's
     own error against the exact model (it moves as much under any 1e-6 perturbation at TP=1)."""
-    hf, cfg = tiny_hf_model("qwen2", vocab=TINY_VOCAB)
-    weights, blocks = tmp_path / "w.pt", tmp_path / "blocks.safetensors"
-    torch.save(hf.state_dict(), weights)
-    gguf_blocks(hf.state_dict(), str(blocks))
-    specs = [TinySpec(cfg, str(weights), str(blocks)), TinySpec(cfg, str(weights), str(blocks), int8_activations=True)]
-    args = (specs, oracle_prompts, N_NEW, ("cpu",))
+    backends = tuple(b for b in BACKENDS if b in ("reference", "cpu"))
+    specs = []
+    for kv_heads in (2, 1):
+        hf, cfg = tiny_hf_model("qwen2", vocab=TINY_VOCAB, kv_heads=kv_heads)
+        torch.save(hf.state_dict(), weights := str(tmp_path / f"kv{kv_heads}.pt"))
+        specs.append(TinySpec(cfg, weights, backends))
+    if kernel_available(int8_activations=True):
+        gguf_blocks(hf.state_dict(), blocks := str(tmp_path / "blocks.safetensors"))
+        specs += [TinySpec(cfg, weights, ("cpu",), blocks), TinySpec(cfg, weights, ("cpu",), blocks, True)]
+    args = (specs, oracle_prompts, N_NEW)
     reference = tiny_rank(None, *args)
     ranks = run_tensor_parallel(tiny_rank, 2, args, timeout_s=60)
     for i, want in enumerate(reference):

@@ -43,16 +43,17 @@ def tiny_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> LlamaFo
 @dataclass(frozen=True)
 class TinySpec:
     """A tiny model for the ranks: its config, its HF-named weights (torch.save'd), optionally its matrices in
-    GGUF blocks (``save_blocks``'d) and multiplied on int8 activations (gguf-a8: packed after sharding)."""
+    GGUF blocks (``save_blocks``'d) and multiplied on int8 activations (gguf-a8: packed after sharding), and the
+    attention backends to decode it with."""
 
     cfg: ModelConfig
     weights: str
+    backends: tuple[str, ...]
     blocks: str | None = None
     int8_activations: bool = False
 
 
-def tiny_rank(tp: TPGroup | None, specs: list[TinySpec], prompts: list[list[int]], n_new: int,
-              backends: tuple[str, ...]) -> list[Result]:
+def tiny_rank(tp: TPGroup | None, specs: list[TinySpec], prompts: list[list[int]], n_new: int) -> list[Result]:
     """Every (model, backend) pair's greedy result on this rank's shard (``tp`` None: unsharded)."""
     out = []
     for spec in specs:
@@ -63,7 +64,7 @@ def tiny_rank(tp: TPGroup | None, specs: list[TinySpec], prompts: list[list[int]
             shard_model(model, tp)
         if spec.int8_activations:
             model.pack_for_int8_activations()
-        out.extend(greedy(model, prompts, n_new, b) for b in backends)
+        out.extend(greedy(model, prompts, n_new, b) for b in spec.backends)
     return out
 
 
