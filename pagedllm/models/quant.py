@@ -70,6 +70,28 @@ class QuantizedWeight:
         data = torch.cat([p.data for p in parts])
         return replace(parts[0], data=data, shape=(data.shape[0], parts[0].shape[1]))
 
+    def take_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
+        """The matrix of the given output ``rows`` (int64 indices), still in blocks: a row is whole blocks,
+        so this is how column-parallel layers and vocab slices shard (tensor parallelism)."""
+        self._refuse_packed("take_rows")
+        data = self.data.index_select(0, rows)
+        return replace(self, data=data, shape=(data.shape[0], self.shape[1]))
+
+    def take_cols(self, start: int, end: int) -> "QuantizedWeight":
+        """Input columns ``start:end`` (row-parallel layers), still in blocks: both ends must fall on a
+        32-column block boundary (ValueError otherwise; dequantize and slice instead)."""
+        self._refuse_packed("take_cols")
+        if start % 32 or end % 32 or not 0 <= start < end <= self.shape[1]:
+            raise ValueError(f"columns {start}:{end} of a {self.shape[1]}-column matrix do not fall on its "
+                             "32-column block boundaries")
+        per_block = BLOCK_BYTES[self.qtype]
+        data = self.data[:, start // 32 * per_block : end // 32 * per_block].contiguous()
+        return replace(self, data=data, shape=(self.shape[0], end - start))
+
+    def _refuse_packed(self, op: str) -> None:
+        if self.packed:
+            raise ValueError(f"{op} needs the block rows; a packed (gguf-a8) matrix lost them: shard before packing")
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 matrix, or only the given ``rows`` of it (embedding lookups)."""
         if self.packed:

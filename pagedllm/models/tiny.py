@@ -13,8 +13,8 @@ from pagedllm.models.config import ModelConfig
 TINY_ARCHS = ("qwen2", "llama3", "llama_bias", "mistral", "qwen3")
 
 
-def tiny_hf_config(arch: str = "qwen2", max_positions: int = 2048, vocab: int = 256):
-    """A small config: 2 layers, hidden 64, 4 heads, 2 KV heads (GQA), head_dim 16."""
+def tiny_hf_config(arch: str = "qwen2", max_positions: int = 2048, vocab: int = 256, kv_heads: int = 2):
+    """A small config: 2 layers, hidden 64, 4 heads, ``kv_heads`` KV heads (GQA; 1, 2 or 4), head_dim 16."""
     import transformers as tf
 
     common = dict(
@@ -23,7 +23,7 @@ def tiny_hf_config(arch: str = "qwen2", max_positions: int = 2048, vocab: int = 
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
         initializer_range=0.1,  # larger than default: clear top-1 margins for greedy equality
         bos_token_id=1,

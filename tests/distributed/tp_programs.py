@@ -1,0 +1,104 @@
+"""What each tensor-parallel rank runs in the tests: load a model, shard it, greedy-decode through the
+unchanged ModelRunner with a KV cache of this rank's KV heads. Module-level functions, so spawned ranks
+(``run_tensor_parallel``) can unpickle them; ``python -m torch.distributed.run ... tp_programs.py`` runs
+:func:`main` on ranks that ``torchrun`` launched (one per node in the two-node test).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention import get_backend
+from pagedllm.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group_from_env
+from pagedllm.distributed.sharding import kv_heads_per_rank, load_shard, shard_model
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.model_runner import ModelRunner, greedy_generate
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.quant import load_blocks
+
+BLOCK_SIZE = 16
+Result = tuple[list[list[int]], list[torch.Tensor]]  # greedy ids and float32 logits of each prompt
+
+
+def greedy(model: LlamaForCausalLM, prompts: list[list[int]], n_new: int, backend: str) -> Result:
+    """Greedy decode of all prompts in one batch, on this rank's KV heads (``model.tp`` None: TP=1)."""
+    cfg = model.config
+    world = 1 if model.tp is None else model.tp.world_size
+    blocks = sum(-(-(len(p) + n_new) // BLOCK_SIZE) for p in prompts)
+    kv = KVCache(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, world), cfg.head_dim, blocks, BLOCK_SIZE)
+    return greedy_generate(ModelRunner(model, kv, get_backend(backend)), prompts, n_new, return_logits=True)
+
+
+def tiny_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    """Our model with these HF-named weights."""
+    model = LlamaForCausalLM(cfg)
+    model.load_hf_state_dict(state_dict)
+    return model
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A tiny model for the ranks: its config, its HF-named weights (torch.save'd), optionally its matrices in
+    GGUF blocks (``save_blocks``'d) and multiplied on int8 activations (gguf-a8: packed after sharding), and the
+    attention backends to decode it with."""
+
+    cfg: ModelConfig
+    weights: str
+    backends: tuple[str, ...]
+    blocks: str | None = None
+    int8_activations: bool = False
+
+
+def tiny_rank(tp: TPGroup | None, specs: list[TinySpec], prompts: list[list[int]], n_new: int) -> list[Result]:
+    """Every (model, backend) pair's greedy result on this rank's shard (``tp`` None: unsharded)."""
+    out = []
+    for spec in specs:
+        model = tiny_model(spec.cfg, torch.load(spec.weights))
+        if spec.blocks:
+            model.use_gguf_blocks(load_blocks(spec.blocks))
+        if tp is not None:
+            shard_model(model, tp)
+        if spec.int8_activations:
+            model.pack_for_int8_activations()
+        out.extend(greedy(model, prompts, n_new, b) for b in spec.backends)
+    return out
+
+
+def checkpoint_rank(tp: TPGroup | None, model_path: str | None, prompts: list[list[int]], n_new: int,
+                    backend: str, quantization: str = "auto") -> Result:
+    """A real checkpoint (``load_checkpoint`` path) loaded, and sharded on this rank."""
+    from pagedllm.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(model_path)
+    model = (LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization) if tp is None
+             else load_shard(ckpt, tp, quantization=quantization))
+    return greedy(model, prompts, n_new, backend)
+
+
+def main() -> int:
+    """torchrun entry: this rank's sharded tiny Qwen2 against TP=1 computed here; exit 0 when they agree."""
+    from pagedllm.models.tiny import tiny_hf_model
+
+    torch.set_num_threads(1)
+    tp = init_tp_group_from_env(timeout_s=60)
+    try:
+        hf, cfg = tiny_hf_model("qwen2", vocab=512)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 17, 40)]
+        want_ids, want_logits = greedy(tiny_model(cfg, hf.state_dict()), prompts, 6, "reference")
+        got_ids, got_logits = greedy(shard_model(tiny_model(cfg, hf.state_dict()), tp), prompts, 6, "reference")
+        err = max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits))
+        ok = got_ids == want_ids and err < 1e-4
+        print(f"rank {tp.rank}/{tp.world_size}: tokens equal {got_ids == want_ids}, max logit error {err:.2e}",
+              flush=True)
+        return 0 if ok else 1
+    finally:
+        destroy_tp_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
