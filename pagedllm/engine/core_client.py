@@ -99,7 +99,7 @@ class CoreClient:
 
     def _resolve(self, call_id: int, result: Any, ok: bool) -> None:
         fut = self._calls.pop(call_id, None)
-        if fut is not None:
+        if fut is not None and not fut.done():  # a caller may have cancelled it meanwhile
             (fut.set_result if ok else fut.set_exception)(result)
 
     def _fail(self, e: BaseException) -> None:

@@ -10,6 +10,12 @@ EXECUTORS = ("uni", "mp")
 
 def make_executor(args: EngineArgs) -> Executor:
     """The executor ``args.distributed_executor_backend`` names (ValueError for an unknown one)."""
+    if args.tensor_parallel_size > 1:
+        from pagedllm.executor.tensor_parallel import TensorParallelExecutor
+
+        return TensorParallelExecutor(args)
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {args.tensor_parallel_size}")
     if args.distributed_executor_backend == "uni":
         from pagedllm.executor.uniproc import UniProcExecutor
 

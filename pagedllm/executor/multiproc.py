@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import pickle
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput, decode, encode
@@ -23,12 +26,9 @@ class WorkerError(RuntimeError):
     """The worker process failed; the message carries its traceback."""
 
 
-def _worker_main(args: EngineArgs, conn: Connection) -> None:
-    from pagedllm.worker.worker import Worker
-
-    worker = build_in_child(conn, lambda: Worker(args))
-    if worker is None:
-        return
+def serve_steps(worker, conn: Connection) -> None:
+    """A worker process's loop: a step's bytes in, its output's bytes (or its traceback) out; empty
+    bytes or a closed pipe end it."""
     while True:
         try:
             data = conn.recv_bytes()
@@ -38,8 +38,42 @@ def _worker_main(args: EngineArgs, conn: Connection) -> None:
             return
         try:
             conn.send_bytes(encode(worker.execute(decode(data))))
-        except BaseException:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+        except BaseException:  # noqa: BLE001 - reported to the core, which raises it
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+
+
+def wait_for(proc: mp.Process, conn: Connection, read: Callable[[], Any]) -> Any:
+    """``read()`` once the pipe has data; WorkerError if the process dies first."""
+    while True:
+        try:
+            if conn.poll(POLL_S):
+                break
+        except (EOFError, OSError):
+            break  # the read below raises WorkerError
+        if not proc.is_alive():
+            raise WorkerError(f"the worker process {proc.name} died (exit code {proc.exitcode})")
+    try:
+        return read()
+    except (EOFError, OSError) as e:
+        proc.join(timeout=1)
+        raise WorkerError(f"the worker process {proc.name} died (exit code {proc.exitcode})") from e
+
+
+def step_result(data: bytes) -> ModelRunnerOutput:
+    """A worker's answer: its output, or WorkerError with the traceback it sent."""
+    try:
+        return decode(data)
+    except TypeError:
+        _, tb = pickle.loads(data)
+        raise WorkerError(f"the worker failed a step:\n{tb}") from None
+
+
+def _worker_main(args: EngineArgs, conn: Connection) -> None:
+    from pagedllm.worker.worker import Worker
+
+    worker = build_in_child(conn, lambda: Worker(args))
+    if worker is not None:
+        serve_steps(worker, conn)
 
 
 class MultiprocExecutor(Executor):
@@ -49,20 +83,11 @@ class MultiprocExecutor(Executor):
         self._proc = ctx.Process(target=_worker_main, args=(args, child), name="pagedllm-worker", daemon=True)
         self._proc.start()
         child.close()
-        kind, payload = self._wait(self._conn.recv)
+        kind, payload = wait_for(self._proc, self._conn, self._conn.recv)
         if kind != "ready":
             self.shutdown()
             raise WorkerError(f"the worker process failed to start:\n{payload}")
         self.spec = payload
-
-    def _wait(self, read):
-        while not self._safe_poll():
-            if not self._proc.is_alive():
-                raise WorkerError(f"the worker process died (exit code {self._proc.exitcode})")
-        try:
-            return read()
-        except (EOFError, OSError) as e:
-            raise WorkerError(f"the worker process died (exit code {self._proc.exitcode})") from e
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:
@@ -70,20 +95,7 @@ class MultiprocExecutor(Executor):
         except OSError as e:
             self._proc.join(timeout=1)
             raise WorkerError(f"the worker process died (exit code {self._proc.exitcode})") from e
-        data = self._wait(self._conn.recv_bytes)
-        try:
-            return decode(data)
-        except TypeError:
-            import pickle
-
-            kind, payload = pickle.loads(data)
-            raise WorkerError(f"the worker failed a step:\n{payload}") from None
-
-    def _safe_poll(self) -> bool:
-        try:
-            return self._conn.poll(POLL_S)
-        except (EOFError, OSError):
-            return True  # the read that follows raises WorkerError
+        return step_result(wait_for(self._proc, self._conn, self._conn.recv_bytes))
 
     @property
     def pid(self) -> int | None:

@@ -56,20 +56,30 @@ def backend_for(device: torch.device, requested: str) -> str:
 
 
 class Worker:
-    def __init__(self, args: EngineArgs) -> None:
+    """``tp``: this worker's tensor-parallel group; it then holds its rank's shard of the model and its
+    share of every KV block (its kv heads), the block tables being the same on every rank."""
+
+    def __init__(self, args: EngineArgs, tp=None) -> None:
         self.device = resolve_device(args.device)
         ckpt = load_checkpoint(args.model)
         cfg = ckpt.config
         dtype = resolve_dtype(args.dtype, self.device)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(args.kv_cache_dtype)
         quantization = args.quantization if self.device.type == "cpu" else "none"  # block GEMMs are CPU kernels
-        model = LlamaForCausalLM.from_checkpoint(ckpt, dtype, quantization).to(self.device)
+        if tp is not None:
+            from pagedllm.distributed.sharding import kv_heads_per_rank, load_shard
+
+            model = load_shard(ckpt, tp, dtype, quantization).to(self.device)
+            num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp.world_size)
+        else:
+            model = LlamaForCausalLM.from_checkpoint(ckpt, dtype, quantization).to(self.device)
+            num_kv_heads = cfg.num_kv_heads
         eos = list(cfg.eos_token_ids)
         tok_eos = ckpt.tokenizer.eos_token_id
         if tok_eos is not None and tok_eos not in eos:
             eos.append(tok_eos)
         del ckpt
-        dims = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
+        dims = (cfg.num_layers, num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
         if args.num_blocks is not None:
             num_blocks = args.num_blocks
         elif args.kv_cache_memory is not None:
@@ -81,7 +91,7 @@ class Worker:
         num_host_blocks = KVCache.num_blocks_for_budget(args.swap_space, *dims) if args.swap_space else 0
         if args.preemption_mode == "swap" and num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (bytes)")
-        self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
+        self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
                                 dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
         backend = backend_for(self.device, args.attention_backend)
         self.runner = ModelRunner(model, self.kv_cache, get_backend(backend))
