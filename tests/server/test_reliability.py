@@ -4,10 +4,13 @@ event and [DONE], and a client that leaves stops its generation within a second.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 import socket
 import time
+from array import array
 
 import httpx
 import pytest
@@ -20,7 +23,7 @@ SURROGATE = "\ud800"
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
-    with live_server(engine_options=dict(model=tiny_model_dir, kv_cache_memory=64 << 20, check_integrity=False),
+    with live_server(engine_options=dict(model=tiny_model_dir, num_blocks=512, check_integrity=False),
                      stats_interval_s=None) as srv:
         yield srv
 
@@ -199,3 +202,68 @@ def test_abandoned_non_streaming_request_stops_within_a_second(live):
     time.sleep(1.0)
     assert generated(live) == after, "generation went on after the client left"
     assert after < start + 1000
+
+
+# ------------------------------------------------------------------ keyed block hashes, the snapshot
+def test_block_hashes_are_keyed_per_process_unless_shared(monkeypatch):
+    from pagedllm.kv.prefix_cache import HASH_KEY, hash_block, hash_key
+
+    monkeypatch.delenv("PAGEDLLM_HASH_KEY", raising=False)
+    assert hash_key() != hash_key()  # random per process (each process draws its own at import)
+    monkeypatch.setenv("PAGEDLLM_HASH_KEY", "shared-secret")
+    assert hash_key() == hash_key() != HASH_KEY  # cooperating processes set the same secret
+    monkeypatch.setenv("PAGEDLLM_HASH_KEY", "other-secret")
+    assert hash_key() != HASH_KEY
+    ids = list(range(16))
+    assert hash_block(None, ids) != _chain_hashes(ids, 16, keyed=False)[0]  # not the public unkeyed digest
+
+
+def _core_block_hashes(core) -> set[int]:
+    return {b.block_hash for b in core.kv.pool.blocks if b.block_hash is not None}
+
+
+def _chain_hashes(ids: list[int], block_size: int, keyed: bool) -> list[int]:
+    """What an attacker computes: the public unkeyed scheme, or the scheme under the attacker's own key."""
+    import hashlib
+
+    from pagedllm.kv.prefix_cache import hash_block_chain
+
+    if keyed:
+        return hash_block_chain(None, ids, block_size)
+    out, parent = [], None
+    for i in range(len(ids) // block_size):
+        head = b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "little")
+        data = array("q", ids[i * block_size:(i + 1) * block_size]).tobytes()
+        parent = int.from_bytes(hashlib.blake2b(head + len(data).to_bytes(4, "little") + data,
+                                                digest_size=16).digest(), "little")
+        out.append(parent)
+    return out
+
+
+def test_pin_guessing_attack_on_the_snapshot_recovers_nothing(live):
+    """A client sends a secret; an attacker reads /v1/kv/snapshot (with and without the key) and hashes
+    the 10^4 candidate PINs: nothing in the snapshot, nor the core's own block hashes, matches."""
+    secret = "Reminder for the form, keep it private: my bank PIN is {:04d}. Do not share it."
+    pin = 5093
+    r = post(live, "/v1/completions", {"prompt": secret.format(pin), "max_tokens": 4})
+    assert r.status_code == 200
+    assert_openai_error(httpx.get(live.url + "/v1/kv/snapshot", timeout=10), 401)
+    snap = httpx.get(live.url + "/v1/kv/snapshot", headers={"Authorization": f"Bearer {live.api_key}"},
+                     timeout=10).json()
+    assert snap["counts"]["cached_free"] > 0  # the secret's blocks are cached, as in the original leak
+    for b in snap["blocks"]:
+        assert set(b) == {"id", "ref_count", "state", "owners", "requests"}, b
+    text = json.dumps(snap)
+    assert "cmpl-" not in text and r.json()["id"] not in text  # no request ids
+    tok, bs = live.engine.tokenizer, snap["block_size"]
+    candidates = tok([secret.format(p) for p in range(10_000)], add_special_tokens=False)["input_ids"]
+    assert live.engine.tokenize(secret.format(pin))[1] == candidates[pin]  # the engine's own tokenization
+    core = set(asyncio.run(live.engine.call(_core_block_hashes)))
+    recovered = []
+    for guess, ids in enumerate(candidates):
+        for keyed in (False, True):
+            hashes = _chain_hashes(ids, bs, keyed)
+            assert hashes, "the secret fills no block: the attack would be vacuous"
+            if core & set(hashes) or any(f"{h:032x}"[:8] in text for h in hashes):
+                recovered.append(guess)
+    assert recovered == []
