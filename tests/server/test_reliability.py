@@ -267,3 +267,57 @@ def test_pin_guessing_attack_on_the_snapshot_recovers_nothing(live):
             if core & set(hashes) or any(f"{h:032x}"[:8] in text for h in hashes):
                 recovered.append(guess)
     assert recovered == []
+
+
+# ------------------------------------------------------------------ fuzz
+FIELDS = sorted({*CMPL, *CHAT, "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "logprobs", "top_logprobs", "echo", "stream", "stream_options", "logit_bias", "best_of",
+                 "response_format", "guided_choice", "tools", "tool_choice", "min_tokens", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "truncate_prompt_tokens", "max_completion_tokens",
+                 "cache_salt", "user", "ignore_eos", "include_stop_str_in_output"})
+
+
+def _junk():
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(codec=None, categories=None), max_size=12)  # surrogates included
+    extreme = st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**30, float("nan"), float("inf"),
+                               float("-inf"), 1e-300, 1e308, -0.0])
+    leaf = st.none() | st.booleans() | st.integers(-3, 40) | extreme | st.floats() | text
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(text | st.sampled_from(FIELDS), inner, max_size=4), max_leaves=12)
+
+
+def _fuzz(live, path: str, base: dict, seen: dict) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    names = st.sampled_from(FIELDS) | st.text(max_size=8)
+
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.dictionaries(names, _junk(), max_size=4), st.sampled_from(["json", "top-level junk", "bytes"]))
+    def check(fields: dict, shape: str) -> None:
+        if shape == "json":
+            content = json.dumps({**base, **fields}).encode()
+        elif shape == "top-level junk":
+            content = json.dumps(list(fields.values()) or "x").encode()
+        else:
+            content = json.dumps({**base, **fields}).encode()[: len(json.dumps(base)) // 2] + b"\xff\xfe"
+        r = httpx.post(live.url + path, content=content, timeout=120,
+                       headers={"Authorization": f"Bearer {live.api_key}", "Content-Type": "application/json"})
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (fields, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+
+    check()
+
+
+@pytest.mark.parametrize("path,base", [("/v1/completions", CMPL), ("/v1/chat/completions", CHAT)])
+def test_fuzzed_bodies_get_no_5xx(live, path, base):
+    seen: dict[int, int] = {}
+    _fuzz(live, path, base, seen)
+    print(f"{path}: {sum(seen.values())} fuzzed bodies, statuses {sorted(seen.items())}")
+    assert sum(seen.values()) >= 60 and not any(code >= 500 for code in seen)
