@@ -76,7 +76,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ admission
     @staticmethod
-    def check_text(body: SamplingRequest) -> None:
+    def check_text(body: BaseModel) -> None:
         """400 naming the first field whose text is not valid UTF-8 (a lone surrogate from a JSON escape)."""
         where = bad_text_field(body)
         if where is not None:

@@ -80,6 +80,8 @@ def test_huge_seed_is_400_not_an_overflow(live, stream):
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": SURROGATE}]}, "messages"),
     ("/v1/chat/completions", {**CHAT, "stop": ["a", SURROGATE]}, "stop"),
     ("/v1/completions", {**CMPL, SURROGATE: 1}, None),
+    ("/tokenize", {"prompt": "a" + SURROGATE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages"),
 ])
 def test_lone_surrogate_is_400_naming_the_field(live, path, body, param):
     assert_openai_error(post(live, path, body), 400, param)
