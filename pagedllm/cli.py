@@ -106,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.server import create_app
+    from pagedllm.server.guards import default_allowed_hosts
 
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
@@ -115,10 +116,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    allowed_hosts = args.allowed_hosts.split(",") if args.allowed_hosts else default_allowed_hosts(args.host)
     engine = AsyncEngine(EngineArgs.from_namespace(args))
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
-                     stats_interval_s=args.stats_interval or None, allow_unknown_fields=args.allow_unknown_fields,
-                     tool_call_parser=args.tool_call_parser, chat_template=chat_template)
+                     stats_interval_s=args.stats_interval or None, metrics_token=args.metrics_token,
+                     metrics_open=args.metrics_open, enable_docs=args.enable_docs, allowed_hosts=allowed_hosts,
+                     allow_unknown_fields=args.allow_unknown_fields, tool_call_parser=args.tool_call_parser,
+                     chat_template=chat_template)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -164,7 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route that shows data, /metrics and the KV "
+                        "snapshot included; /health, /ping, /version stay open (default: $PAGEDLLM_API_KEY)")
+    p.add_argument("--metrics-token", default=os.environ.get("PAGEDLLM_METRICS_TOKEN"),
+                   help="a second bearer token accepted on /metrics only, for a scraper (default: "
+                        "$PAGEDLLM_METRICS_TOKEN)")
+    p.add_argument("--metrics-open", action="store_true", help="leave /metrics open even with --api-key")
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names accepted ('*': any; IP literals always are); default: "
+                        "no check on loopback, the machine's names beyond it")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model's)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template (a file or the template text) replacing the model's, e.g. "

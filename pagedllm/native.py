@@ -2,20 +2,35 @@
 
 Each kernel is one self-contained ``.cpp`` file under a ``csrc/`` folder, compiled on first use with
 ``-O3 -march=native -fopenmp`` (set ``PAGEDLLM_NO_MARCH_NATIVE=1`` for a portable build). Builds are
-keyed by the source's content, flags and torch version, not its path: torch's JIT rebuilds whenever
-the source path in its build file changes, so every checkout or reinstall of the package (or a switch
-between two of them) cost ~2 minutes of compiling, some of it inside the first generation. The source
-is copied to ``~/.cache/pagedllm/kernels/<name>_<hash>/`` (``PAGEDLLM_KERNEL_CACHE`` moves it) and built
-there. A failed build is remembered, so callers can fall back without retrying the compiler every call.
+keyed by the source's content, flags, torch version and the environment that links it (interpreter,
+prefix, the CPU's ISA flags), not its path: torch's JIT rebuilds whenever the source path in its build
+file changes, so every checkout or reinstall of the package (or a switch between two of them) cost ~2
+minutes of compiling, some of it inside the first generation, and two environments sharing one folder
+rebuilt each other's kernels. The source is copied to ``~/.cache/pagedllm/kernels/<name>_<hash>/``
+(``PAGEDLLM_KERNEL_CACHE`` moves it) and built there. A failed build is remembered, so callers can fall
+back without retrying the compiler every call.
+
+A build may be killed at any moment. torch's own ``lock`` file then stays and every later start waits on
+it forever; so each build first takes an ``flock`` on ``.pagedllm.lock`` beside it, which the kernel drops
+when its holder dies. Holding that lock, any torch ``lock`` left in the folder belongs to a dead build
+and is removed; a start that has to wait for a live build says so in the log.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
+import logging
 import os
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+
+log = logging.getLogger("pagedllm.native")
 
 _built: dict[str, ModuleType] = {}
 _failed: dict[str, Exception] = {}
@@ -29,13 +44,48 @@ def _flags() -> list[str]:
     return flags
 
 
-def build_dir(name: str, source: Path) -> Path:
-    """Where ``source`` is built: one folder per (content, flags, torch version), shared by every checkout."""
+def _cpu_flags() -> str:
+    """The ISA flags of this CPU (``-march=native`` compiles for them), '' where /proc/cpuinfo is absent."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def _environment() -> str:
+    """What a build links against beyond its source: interpreter, environment, torch, CPU."""
     import torch
 
-    key = hashlib.sha256(source.read_bytes() + " ".join(_flags() + [torch.__version__]).encode()).hexdigest()[:12]
+    return "\n".join([sys.executable, sys.prefix, sys.version, torch.__version__, _cpu_flags()])
+
+
+def build_dir(name: str, source: Path) -> Path:
+    """Where ``source`` is built: one folder per (content, flags, environment), shared by every checkout."""
+    key = hashlib.sha256(source.read_bytes() + " ".join(_flags()).encode() + _environment().encode()).hexdigest()[:12]
     root = Path(os.environ.get("PAGEDLLM_KERNEL_CACHE") or Path.home() / ".cache" / "pagedllm" / "kernels")
     return root / f"{name}_{key}"
+
+
+@contextmanager
+def _build_lock(where: Path) -> Iterator[None]:
+    """Exclusive use of a build folder across processes, released by the kernel if the holder dies;
+    clears the torch ``lock`` a killed build left behind."""
+    with open(where / ".pagedllm.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process to finish building the C++ kernel in %s", where)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = where / "lock"
+            if stale.exists():
+                log.warning("removing the lock of an interrupted kernel build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load_extension(name: str, source: Path) -> ModuleType:
@@ -53,13 +103,14 @@ def load_extension(name: str, source: Path) -> ModuleType:
 
             where = build_dir(name, source)
             where.mkdir(parents=True, exist_ok=True)
-            stable = where / source.name
-            if not stable.exists():  # write-then-rename: a concurrent build never sees half a file
-                tmp = where / f".{source.name}.{os.getpid()}"
-                tmp.write_bytes(source.read_bytes())
-                tmp.replace(stable)
-            _built[name] = load(name=where.name, sources=[str(stable)], build_directory=str(where),
-                                extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False)
+            with _build_lock(where):
+                stable = where / source.name
+                if not stable.exists():  # write-then-rename: a killed copy never leaves half a file
+                    tmp = where / f".{source.name}.{os.getpid()}"
+                    tmp.write_bytes(source.read_bytes())
+                    tmp.replace(stable)
+                _built[name] = load(name=where.name, sources=[str(stable)], build_directory=str(where),
+                                    extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # compiler missing, headers missing, build error
             _failed[name] = e
             raise RuntimeError(f"building the C++ kernel {name!r} (g++ with OpenMP and the Python headers) "

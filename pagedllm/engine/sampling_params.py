@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,33 @@ if TYPE_CHECKING:
     from pagedllm.structured import StructuredOutputsParams
 
 MAX_N = 16  # upper bound on parallel samples / beam width per request
+# Documented bounds (vLLM's, made strict: out of range is an error, never a silent clamp).
+MAX_INT32 = 2**31 - 1  # max_tokens, min_tokens, top_k, truncate_prompt_tokens
+SEED_RANGE = (-(2**63), 2**63)  # seeds are 64-bit signed integers (half-open range)
+MIN_TEMPERATURE = 1e-2  # below this (but above 0, greedy) the softmax overflows in fp32; vLLM clamps here
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 2.0
+
+
+def is_int(v: object) -> bool:
+    """An integer that is not a bool (``True`` is an ``int`` in Python, never a count)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: object, lo: float, hi: float) -> bool:
+    """A finite int or float in [lo, hi] (NaN and infinities fail)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+
+def is_text(v: object) -> bool:
+    """A str that encodes to UTF-8 (a lone surrogate such as "\\ud800" does not)."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -57,29 +85,38 @@ class SamplingParams:
             if not ok:
                 raise ValueError(msg)
 
-        need(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        need(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        need(is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32,
+             f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
+        need(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        need(isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        need(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        need(is_number(self.temperature, 0, MAX_TEMPERATURE)
+             and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+             f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {self.temperature!r}")
+        need(is_int(self.top_k) and -1 <= self.top_k <= MAX_INT32,
+             f"top_k must be -1, 0 (off) or a positive integer up to {MAX_INT32}, got {self.top_k!r}")
+        need(is_number(self.top_p, 0, 1) and self.top_p > 0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(is_number(self.min_p, 0, 1), f"min_p must be in [0, 1], got {self.min_p!r}")
+        need(is_number(self.repetition_penalty, 0, MAX_REPETITION_PENALTY) and self.repetition_penalty > 0,
+             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             val = getattr(self, name)
-            need(isinstance(val, (int, float)) and -2 <= val <= 2, f"{name} must be in [-2, 2], got {val!r}")
-        need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-             f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        need(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            need(is_number(val, -2, 2), f"{name} must be in [-2, 2], got {val!r}")
+        need(self.seed is None or (is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+             f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        need(isinstance(self.stop, list) and all(is_text(s) and s for s in self.stop),
+             f"stop must be a non-empty UTF-8 string or a list of them, got {self.stop!r}")
+        need(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("ignore_eos", "use_beam_search", "skip_special_tokens"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.use_beam_search:
-            need(isinstance(self.beam_width, int) and 2 <= self.beam_width <= MAX_N,
+            need(is_int(self.beam_width) and 2 <= self.beam_width <= MAX_N,
                  f"beam_width must be an integer in [2, {MAX_N}], got {self.beam_width!r}")
+            need(is_number(self.length_penalty, -100, 100),
+                 f"length_penalty must be a number in [-100, 100], got {self.length_penalty!r}")
             need(self.n <= self.beam_width, f"n ({self.n}) must not exceed beam_width ({self.beam_width})")
         self._validate_extras(need)
 
@@ -93,18 +130,18 @@ class SamplingParams:
             need(not self.use_beam_search, "structured_outputs cannot be combined with beam search")
         if self.logit_bias is not None:
             need(isinstance(self.logit_bias, dict) and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+                is_int(t) and t >= 0 for t in self.logit_bias),
                 f"logit_bias keys must be non-negative token ids, got {self.logit_bias!r}")
-            need(all(isinstance(v, (int, float)) and -100 <= v <= 100 for v in self.logit_bias.values()),
+            need(all(is_number(v, -100, 100) for v in self.logit_bias.values()),
                  f"logit_bias values must be numbers in [-100, 100], got {self.logit_bias!r}")
-        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
              f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         need(isinstance(self.include_stop_str_in_output, bool),
              f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
-        need(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
-                                                     and self.truncate_prompt_tokens >= 1),
-             f"truncate_prompt_tokens must be a positive integer, got {self.truncate_prompt_tokens!r}")
+        need(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
+                                                     and 1 <= self.truncate_prompt_tokens <= MAX_INT32),
+             f"truncate_prompt_tokens must be an integer in [1, {MAX_INT32}], got {self.truncate_prompt_tokens!r}")
         if self.best_of is not None:
-            need(isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_N,
+            need(is_int(self.best_of) and self.n <= self.best_of <= MAX_N,
                  f"best_of must be an integer in [n, {MAX_N}] (n={self.n}), got {self.best_of!r}")
             need(not self.use_beam_search, "best_of cannot be combined with beam search (use beam_width)")

@@ -23,9 +23,8 @@ class Block:
         self.prev: Block | None = None
         self.next: Block | None = None
 
-    def __repr__(self) -> str:
-        h = None if self.block_hash is None else f"{self.block_hash:032x}"[:8]
-        return f"Block(id={self.block_id}, ref={self.ref_count}, hash={h})"
+    def __repr__(self) -> str:  # the hash itself is never shown (reprs reach logs and error messages)
+        return f"Block(id={self.block_id}, ref={self.ref_count}, hashed={self.block_hash is not None})"
 
 
 class FreeBlockQueue:

@@ -405,13 +405,13 @@ class KVCacheManager:
         return owners
 
     def snapshot(self) -> dict[str, object]:
-        """Per-block state for a live dashboard, as plain JSON-ready lists and dicts."""
+        """Per-block state for a live dashboard, as plain JSON-ready lists and dicts; hashes are never
+        shown (a hash would let anyone test guessed prompts against it)."""
         owners = self._owners()
         blocks = []
         for b in self.pool.blocks:
-            h = None if b.block_hash is None else f"{b.block_hash:032x}"[:8]
-            state = "used" if b.ref_count else ("cached" if h is not None else "free")
-            blocks.append({"id": b.block_id, "ref_count": b.ref_count, "hash": h, "state": state,
+            state = "used" if b.ref_count else ("cached" if b.block_hash is not None else "free")
+            blocks.append({"id": b.block_id, "ref_count": b.ref_count, "state": state,
                            "owners": owners.get(b.block_id, [])})
         return {"stats": self.stats(), "blocks": blocks}
 

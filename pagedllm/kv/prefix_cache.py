@@ -3,13 +3,17 @@
 A full block's hash covers its parent's hash, its token ids and extra keys (``cache_salt`` and
 anything else that changes the KV), so equal blocks after different prefixes never share and
 one tenant cannot hit another's blocks. Hashes are 128-bit blake2b digests of a stable byte
-encoding (deterministic across processes and runs, unlike ``hash()``); a hit still compares the
-stored token ids, so a collision can never serve wrong KV.
+encoding, keyed with a secret (``HASH_KEY``): random per process, so nobody who sees a hash can test
+guessed prompts against it; processes that must agree on hashes (tensor-parallel ranks, replicas
+sharing prefix KV) set the same ``PAGEDLLM_HASH_KEY``. A hit still compares the stored token ids,
+so a collision can never serve wrong KV. Hashes are never shown outside the engine.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import secrets
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +21,18 @@ from dataclasses import dataclass, field
 from pagedllm.kv.block_pool import Block, BlockPool
 
 ExtraKeys = tuple[object, ...]
+HASH_KEY_ENV = "PAGEDLLM_HASH_KEY"
+
+
+def hash_key() -> bytes:
+    """The blake2b key: derived from ``$PAGEDLLM_HASH_KEY`` (any string) when set, else random."""
+    secret = os.environ.get(HASH_KEY_ENV)
+    if not secret:
+        return secrets.token_bytes(32)
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=b"pagedllm-hkey").digest()
+
+
+HASH_KEY = hash_key()
 
 
 def extra_keys_for(cache_salt: str | None) -> ExtraKeys:
@@ -32,7 +48,7 @@ def _extra_bytes(extra_keys: ExtraKeys) -> bytes:
 def _digest(parent_hash: int | None, token_bytes: bytes, extra: bytes) -> int:
     head = b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little")
     data = head + len(token_bytes).to_bytes(4, "little") + token_bytes + extra
-    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16, key=HASH_KEY).digest(), "little")
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -156,7 +172,7 @@ class PrefixCache:
         for h, bid in self._index.items():
             b = self.pool.blocks[bid]
             if b.block_hash != h:
-                raise AssertionError(f"index maps a hash to block {bid}, which has hash {b.block_hash}")
+                raise AssertionError(f"the index maps a hash to block {bid}, which holds another hash")
             if b.token_ids is None or len(b.token_ids) != self.pool.block_size:
                 raise AssertionError(f"cached block {bid} does not hold a full block of token ids")
         hashed = sum(b.block_hash is not None for b in self.pool.blocks)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncEngine
@@ -30,6 +28,9 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.server.chat_tools import ToolPlan, render_chat, template_messages
 from pagedllm.server.echo_logprobs import prompt_completion_logprobs
+from pagedllm.server.guards import (
+    APIKeyMiddleware, HostCheckMiddleware, SizeLimitMiddleware, bad_text_field, error_response,
+)
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
@@ -45,7 +46,7 @@ from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
 
 log = logging.getLogger("pagedllm.server")
 
-DISCONNECT_POLL_S = 1.0  # how often a request with no news checks whether its client is still there
+DISCONNECT_POLL_S = 0.5  # how often a request checks that its client is still there (aborted within 1 s)
 
 
 class APIError(Exception):
@@ -56,29 +57,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-
-def error_response(status: int, info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
-
-
-class APIKeyMiddleware:
-    """Bearer-token check on /v1/*, before the body is even read (a pure ASGI layer keeps streaming intact)."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
-                info = ErrorInfo(message="invalid or missing API key; send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
-                await error_response(401, info)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class OpenAIServing:
@@ -97,6 +75,14 @@ class OpenAIServing:
         self.grammars = GrammarCompiler(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
 
     # ------------------------------------------------------------------ admission
+    @staticmethod
+    def check_text(body: BaseModel) -> None:
+        """400 naming the first field whose text is not valid UTF-8 (a lone surrogate from a JSON escape)."""
+        where = bad_text_field(body)
+        if where is not None:
+            raise APIError(400, f"{where}: text must be valid UTF-8 (no lone surrogates)", param=where.split(".")[0]
+                           .split("[")[0], code="invalid_text")
+
     def check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
@@ -174,13 +160,18 @@ class OpenAIServing:
 
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         unfinished = len(tasks)
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while unfinished:
-                try:
-                    i, item = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                try:  # the client is checked on a clock, not only when nothing comes (steady news would hide it)
+                    i, item = await asyncio.wait_for(q.get(), max(next_poll - time.monotonic(), 0.0))
                 except TimeoutError:
+                    item = None
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         raise APIError(499, "client closed the request", type="client_closed_request")
+                if item is None:
                     continue
                 if isinstance(item, Exception):
                     raise item
@@ -236,10 +227,13 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_text(body)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         if not prompts or any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
+        if body.max_tokens < 0:
+            raise APIError(400, f"max_tokens must be >= 0, got {body.max_tokens}", param="max_tokens")
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens 0 is only meaningful with echo (to score the prompt)", param="max_tokens")
         # echo + logprobs scores the prompt too (lm-eval's loglikelihood); max_tokens 0 generates one token
@@ -299,6 +293,7 @@ class OpenAIServing:
         return self.sse(chunks())
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_text(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         try:
@@ -362,20 +357,22 @@ class OpenAIServing:
 
     @staticmethod
     def sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
-        """Server-sent events: one ``data:`` line per chunk, then ``[DONE]``; an engine failure ends the
-        stream with an error event (the status line has already been sent)."""
+        """Server-sent events: one ``data:`` line per chunk, then ``[DONE]``. Any failure after the status
+        line was sent ends the stream with an error event and then ``[DONE]``, never a cut connection;
+        the details go to the log, not to the client."""
 
         async def body() -> AsyncIterator[str]:
             try:
                 async for c in chunks:
                     yield f"data: {c.model_dump_json()}\n\n"
-            except APIError:  # the client went away: nobody to tell
-                return
-            except RuntimeError as e:
+            except APIError as e:
+                if e.status == 499:  # the client went away: nobody to tell
+                    return
+                yield f"data: {ErrorResponse(error=e.info).model_dump_json()}\n\n"
+            except Exception:  # noqa: BLE001 - reported to the client as an event, logged in full
                 log.exception("stream failed")
-                info = ErrorInfo(message=str(e), type="server_error")
+                info = ErrorInfo(message="the server failed while generating this response", type="server_error")
                 yield f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
-                return
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -410,12 +407,13 @@ async def health(request: Request) -> dict:
     """503 once the engine loop has failed; with ``check_integrity`` on, also verifies the KV pool."""
     engine: AsyncEngine = request.app.state.engine
     if engine.error is not None:
-        raise APIError(503, f"engine failed: {engine.error}", type="server_error")
+        raise APIError(503, "the engine has failed; restart the server", type="server_error")
     if engine.args.check_integrity:
         try:
             await engine.check_integrity()
-        except AssertionError as e:
-            raise APIError(503, f"KV pool integrity check failed: {e}", type="server_error") from e
+        except AssertionError as e:  # the details (block ids, hashes) go to the log only
+            log.error("KV pool integrity check failed: %s", e)
+            raise APIError(503, "KV pool integrity check failed", type="server_error") from e
     return {"status": "ok"}
 
 
@@ -448,15 +446,22 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
 
 async def _server_error(_: Request, e: Exception) -> JSONResponse:
     log.error("unhandled error", exc_info=e)
-    return error_response(500, ErrorInfo(message=f"internal error: {e}", type="server_error"))
+    return error_response(500, ErrorInfo(message="internal server error", type="server_error"))
 
 
 def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
-               stats_interval_s: float | None = DEFAULT_INTERVAL_S, **serving_options) -> FastAPI:
-    """The server app over ``engine``; ``api_key`` guards /v1/*; the model is served under ``served_model_name``;
+               stats_interval_s: float | None = DEFAULT_INTERVAL_S, metrics_token: str | None = None,
+               metrics_open: bool = False, enable_docs: bool = False, allowed_hosts: list[str] | None = None,
+               **serving_options) -> FastAPI:
+    """The server app over ``engine``; the model is served under ``served_model_name``.
+
+    ``api_key`` guards every route that shows data (``guards.APIKeyMiddleware``; /metrics also takes
+    ``metrics_token`` or is left open by ``metrics_open``); ``enable_docs`` serves /docs, /redoc and
+    /openapi.json (off by default); ``allowed_hosts`` (None: no check) are the Host names accepted;
     ``serving_options`` (allow_unknown_fields, tool_call_parser, chat_template) go to ``OpenAIServing``;
     a stats line is logged every ``stats_interval_s`` (None: never)."""
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=stats_lifespan(engine, stats_interval_s))
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=stats_lifespan(engine, stats_interval_s), **docs)
     app.state.engine = engine
     model_name = served_model_name or engine.model_name
     app.state.metrics = ServerMetrics(model_name)
@@ -476,5 +481,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     else:
         app.include_router(dashboard_router)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_token=metrics_token, metrics_open=metrics_open)
+    app.add_middleware(SizeLimitMiddleware)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # added last: runs first
     return app

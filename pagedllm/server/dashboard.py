@@ -9,12 +9,18 @@ counters and flat per-block lists, so its counts, blocks and block tables descri
 the engine pauses only for the copy; the JSON is built in a worker thread. Pools of up to
 ``MAX_CELLS`` blocks are sent block by block, larger ones as buckets of consecutive blocks with
 per-state counts, so a 100k-block pool stays cheap. All stream clients share one snapshot per tick.
+
+Nothing in a snapshot identifies a prompt or a client: no block hashes (not even a prefix), no
+request ids (each request appears under an anonymous label, ``anonymous_label``), and finished
+requests hold no blocks in it. With ``--api-key`` only key holders see it at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -35,7 +41,15 @@ TOK_S_WINDOW_S = 2.0  # tok/s is averaged over this trailing window of engine st
 MAX_LISTED = 64  # requests listed per queue (running / swapped / waiting); the totals are always exact
 STATIC = resources.files("pagedllm.server") / "static"
 
+_LABEL_KEY = secrets.token_bytes(16)  # per process: labels are stable while it runs and unlinkable to ids
+
 router = APIRouter()
+
+
+def anonymous_label(request_id: str) -> str:
+    """A request's name in snapshots: stable across snapshots (the dashboard follows it), but a keyed
+    digest of the id, so it reveals neither the id nor anything that could be matched against one."""
+    return "req-" + hashlib.blake2b(request_id.encode(), digest_size=4, key=_LABEL_KEY).hexdigest()
 
 
 def _tok_s(eng: EngineCore, now: float) -> float:
@@ -57,7 +71,7 @@ def _requests(eng: EngineCore, tables: dict[int, list[int]]) -> list[dict[str, A
             seqs = [{"seq_id": s.seq_id, "status": s.status.value, "num_tokens": s.num_tokens,
                      "num_computed": s.num_computed, "block_table": tables.get(s.seq_id, [])}
                     for s in req.seqs if not s.finished]
-            out.append({"request_id": req.request_id, "status": status,
+            out.append({"request_id": anonymous_label(req.request_id), "status": status,
                         "num_prompt_tokens": len(req.prompt_token_ids), "seqs": seqs})
     return out
 
@@ -67,7 +81,8 @@ def _read(eng: EngineCore) -> dict[str, Any]:
     buckets are built from them elsewhere (``_build``), so the engine pauses only for the copy."""
     kv = eng.kv
     stats = eng.pool_stats()
-    seq_request = {s.seq_id: rid for rid, req in eng.requests.items() for s in req.seqs if not s.finished}
+    seq_request = {s.seq_id: anonymous_label(rid) for rid, req in eng.requests.items() for s in req.seqs
+                   if not s.finished}
     tables = {sid: kv.block_table(sid) for sid in seq_request if kv.has_seq(sid)}
     snap = {
         "time": time.time(),
@@ -85,27 +100,26 @@ def _read(eng: EngineCore) -> dict[str, Any]:
         "requests": _requests(eng, tables),
     }
     return {"snapshot": snap, "refs": list(map(attrgetter("ref_count"), kv.pool.blocks)),
-            "hashes": list(map(attrgetter("block_hash"), kv.pool.blocks)), "tables": tables,
+            "hashed": [b.block_hash is not None for b in kv.pool.blocks], "tables": tables,
             "seq_request": seq_request}
 
 
-def _blocks(refs: list[int], hashes: list[int | None], tables: dict[int, list[int]],
+def _blocks(refs: list[int], hashed: list[bool], tables: dict[int, list[int]],
             seq_request: dict[int, str]) -> list[dict[str, Any]]:
-    """One dict per block: id, ref_count, hash prefix, state, owner seq ids and request ids."""
+    """One dict per block: id, ref_count, state, owner seq ids and request labels."""
     owners: dict[int, list[int]] = {}
     for sid, table in tables.items():
         for b in table:
             owners.setdefault(b, []).append(sid)
     out = []
-    for i, (ref, h) in enumerate(zip(refs, hashes)):
+    for i, (ref, h) in enumerate(zip(refs, hashed)):
         own = owners.get(i, [])
-        out.append({"id": i, "ref_count": ref, "hash": None if h is None else f"{h:032x}"[:8],
-                    "state": "used" if ref else ("free" if h is None else "cached"),
+        out.append({"id": i, "ref_count": ref, "state": "used" if ref else ("cached" if h else "free"),
                     "owners": own, "requests": sorted({seq_request[s] for s in own})})
     return out
 
 
-def _buckets(refs: list[int], hashes: list[int | None], tables: dict[int, list[int]],
+def _buckets(refs: list[int], hashed: list[bool], tables: dict[int, list[int]],
              seq_request: dict[int, str], max_cells: int) -> dict[str, Any]:
     """Runs of ``size`` consecutive blocks: per-state counts, shared count, max refcount and the
     request holding most blocks of each run (None if no request holds any)."""
@@ -117,7 +131,7 @@ def _buckets(refs: list[int], hashes: list[int | None], tables: dict[int, list[i
         return np.pad(x, (0, nb * size - n)).reshape(nb, size)
 
     ref = np.asarray(refs, dtype=np.int64)
-    hashed = np.fromiter((h is not None for h in hashes), dtype=bool, count=n)
+    hashed = np.asarray(hashed, dtype=bool)
     used = ref > 0
     request: list[str | None] = [None] * nb
     if tables:
@@ -146,7 +160,7 @@ def _buckets(refs: list[int], hashes: list[int | None], tables: dict[int, list[i
 def _build(raw: dict[str, Any], max_cells: int) -> dict[str, Any]:
     """The snapshot from what ``_read`` copied: per-block dicts, or buckets for large pools."""
     snap = raw["snapshot"]
-    args = raw["refs"], raw["hashes"], raw["tables"], raw["seq_request"]
+    args = raw["refs"], raw["hashed"], raw["tables"], raw["seq_request"]
     if len(raw["refs"]) <= max_cells:
         snap["blocks"], snap["buckets"] = _blocks(*args), None
     else:
@@ -159,7 +173,7 @@ async def take_snapshot(engine: AsyncEngine, max_cells: int = MAX_CELLS) -> dict
 
     ``counts`` (total / free / cached_free / used) are the pool's own counters, the ones
     ``KVCacheManager.check_integrity`` verifies. ``blocks`` lists every block (id, ref_count,
-    hash prefix, state free|cached|used, owner seq ids and request ids) when the pool has at most
+    state free|cached|used, owner seq ids and request labels) when the pool has at most
     ``max_cells`` blocks; otherwise ``blocks`` is None and ``buckets`` aggregates runs of
     ``buckets.size`` consecutive blocks.
     """

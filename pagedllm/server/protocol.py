@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedllm.engine.outputs import CompletionOutput
 from pagedllm.engine.sampling_params import SamplingParams
@@ -106,6 +106,12 @@ class ErrorInfo(BaseModel):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+
+    @field_validator("message", "param")
+    @classmethod
+    def _encodable(cls, v: str | None) -> str | None:
+        """Echoed input may hold a lone surrogate, which no JSON encoder can write: escape it."""
+        return None if v is None else v.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ErrorResponse(BaseModel):

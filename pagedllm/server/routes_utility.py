@@ -43,6 +43,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     from pagedllm.server.chat_tools import render_chat
 
     s = _serving(request)
+    s.check_text(body)
     if (body.prompt is None) == (body.messages is None):
         raise _error(400, "send exactly one of prompt and messages", param="prompt")
     if body.model is not None and body.model != s.model_name:

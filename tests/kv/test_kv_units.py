@@ -384,7 +384,7 @@ def test_snapshot_and_stats_are_json_ready() -> None:
     states = [b["state"] for b in snap["blocks"]]
     assert states == ["used"] * 3 + ["free"] * 3
     assert snap["blocks"][0]["owners"] == [7, 8] and snap["blocks"][0]["ref_count"] == 2
-    assert snap["blocks"][0]["hash"] is not None and snap["blocks"][2]["hash"] is None
+    assert all("hash" not in b for b in snap["blocks"])  # hashes are never shown
     m.free(7)
     m.free(8)
     s = m.stats()

@@ -27,17 +27,18 @@ def _free_port() -> int:
 
 
 @contextmanager
-def live_server(**app_options):
+def live_server(engine_options: dict | None = None, **app_options):
     """A uvicorn server over a fresh engine on loopback: small pool and context (cheap over-limit cases),
-    integrity check after every step, API key on; ``app_options`` go to ``create_app``."""
+    integrity check after every step, API key on; ``engine_options`` override the ``EngineArgs`` (e.g. a
+    tiny model), ``app_options`` go to ``create_app``."""
     import uvicorn
 
     from pagedllm.engine.args import EngineArgs
     from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.server import create_app
 
-    engine = AsyncEngine(EngineArgs(kv_cache_memory=256 << 20, max_num_seqs=16, max_model_len=1024,
-                                    check_integrity=True))
+    options = dict(kv_cache_memory=256 << 20, max_num_seqs=16, max_model_len=1024, check_integrity=True)
+    engine = AsyncEngine(EngineArgs(**{**options, **(engine_options or {})}))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY, **app_options), host="127.0.0.1",
                                         port=port, log_level="warning"))

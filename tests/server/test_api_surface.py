@@ -76,7 +76,7 @@ def test_retrieve_model(client, model):
 
 # ------------------------------------------------------------------ metrics and stats
 def samples(srv) -> dict[tuple[str, str], float]:
-    text = httpx.get(f"{srv.url}/metrics").text
+    text = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {srv.api_key}"}).text
     return {(s.name, s.labels.get("model_name", "")): s.value for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name.startswith("vllm:") and "le" not in s.labels}
 

@@ -34,7 +34,7 @@ def model(client) -> str:
 
 def metrics(server) -> dict[str, float]:
     """Every sample of /metrics by name (labels dropped: the tests read unlabelled series)."""
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 

@@ -202,7 +202,7 @@
     if (s.blocks) {
       const b = s.blocks[i];
       const lines = [`block ${b.id} · ${b.state === "cached" ? "cached-free" : b.state === "used" ? "in use" : "free"}`,
-        `refcount  ${b.ref_count}${b.ref_count > 1 ? " (shared)" : ""}`, `hash      ${b.hash ?? "—"}`];
+        `refcount  ${b.ref_count}${b.ref_count > 1 ? " (shared)" : ""}`];
       const more = b.requests.length > 6 ? [`          … ${b.requests.length - 6} more`] : [];
       b.requests.slice(0, 6).forEach((rid, k) => lines.push(`${k ? "        " : "requests"}  ${short(rid)}`));
       if (b.owners.length) lines.push(...more, `seqs      ${b.owners.join(", ")}`);
