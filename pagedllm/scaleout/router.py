@@ -77,7 +77,7 @@ class PrefixRouter:
         if not matched:
             return Route(least)
         owner = self._least_loaded(sorted(holders))
-        if self.load[owner] - self.load[least] <= self.balance_threshold:
+        if owner == least or self.load[owner] - self.load[least] <= self.balance_threshold:
             return Route(owner, matched_blocks=matched)
         fetch = owner if matched >= self.min_fetch_blocks else None
         return Route(least, fetch, matched)

@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.engine.core import EngineCore
 from pagedllm.scaleout.kv_transfer import export_prefix, import_prefix
 from tests.scaleout.conftest import prompts, run_core
-
-
-@pytest.fixture(scope="module")
-def cores(tiny_args):
-    a, b = EngineCore(tiny_args), EngineCore(tiny_args)
-    yield a, b
-    a.shutdown()
-    b.shutdown()
 
 
 def test_imported_prefix_is_hit_and_generates_the_same(cores):
