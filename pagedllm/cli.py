@@ -115,7 +115,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    engine = AsyncEngine(EngineArgs.from_namespace(args))
+    from pagedllm.scaleout.config import wants_scaleout
+
+    eargs = EngineArgs.from_namespace(args)
+    if wants_scaleout(eargs):  # replicas on Ray (the ray extra)
+        from pagedllm.scaleout.engine import ScaleOutEngine
+
+        engine = ScaleOutEngine(eargs)
+    else:
+        engine = AsyncEngine(eargs)
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      stats_interval_s=args.stats_interval or None, allow_unknown_fields=args.allow_unknown_fields,
                      tool_call_parser=args.tool_call_parser, chat_template=chat_template)

@@ -59,5 +59,13 @@ class ScaleOutConfig:
 
 
 def wants_scaleout(args: EngineArgs) -> bool:
-    """More than one engine replica asked for (``--data-parallel-size`` > 1 or ``--disaggregate``)."""
-    return args.data_parallel_size > 1 or bool(args.disaggregate)
+    """More than one engine replica asked for (``--data-parallel-size`` > 1 or ``--disaggregate``);
+    ValueError naming the field for settings that contradict each other or would be ignored."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    if args.disaggregate and args.data_parallel_size > 1:
+        raise ValueError("data_parallel_size: with --disaggregate the replicas are counted by prefill=P,decode=D")
+    wanted = args.data_parallel_size > 1 or bool(args.disaggregate)
+    if args.ray_address and not wanted:
+        raise ValueError("ray_address: only used with --data-parallel-size > 1 or --disaggregate")
+    return wanted

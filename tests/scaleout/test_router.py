@@ -74,3 +74,22 @@ def test_config_validation_names_the_field():
         ScaleOutConfig(num_replicas=0)
     with pytest.raises(ValueError, match="routing policy"):
         PrefixRouter(2, BS, policy="x")
+
+
+def test_serve_flags_that_contradict_or_would_be_ignored_are_refused():
+    from pagedllm.cli import build_parser
+    from pagedllm.engine.args import EngineArgs
+    from pagedllm.scaleout.config import wants_scaleout
+
+    def args(*flags: str) -> EngineArgs:
+        return EngineArgs.from_namespace(build_parser().parse_args(["serve", *flags]))
+
+    assert not wants_scaleout(args())
+    assert wants_scaleout(args("--data-parallel-size", "2", "--ray-address", "auto"))
+    cfg = ScaleOutConfig.from_engine_args(args("--disaggregate", "prefill=1,decode=2"))
+    assert (cfg.num_prefill, cfg.num_decode, cfg.size, cfg.disaggregated) == (1, 2, 3, True)
+    for flags, field in ((["--data-parallel-size", "0"], "data_parallel_size"),
+                         (["--ray-address", "auto"], "ray_address"),
+                         (["--data-parallel-size", "2", "--disaggregate", "prefill=1,decode=1"], "data_parallel_size")):
+        with pytest.raises(ValueError, match=field):
+            wants_scaleout(args(*flags))
