@@ -42,7 +42,8 @@ class ReplicaSetClient:
         self.cfg = cfg
         self.error: BaseException | None = None
         self._on_outputs, self._on_error = on_outputs, on_error
-        if not ray.is_initialized():
+        self._own_ray = not ray.is_initialized()  # started here: shut down here
+        if self._own_ray:
             ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False)
         # every replica hashes blocks with one key, so blocks move between them under their hashes
         self.hash_key = os.environ.get(HASH_KEY_ENV) or secrets.token_hex(16)
@@ -124,7 +125,13 @@ class ReplicaSetClient:
     def stats(self) -> list[dict]:
         """Each replica's ``pool_stats`` plus its KV transfer sums (replicas that are down are left out)."""
         refs = [(i, r.stats.remote()) for i, r in enumerate(self.replicas) if i not in self.router.down]
-        return [{"replica": i, **ray.get(ref)} for i, ref in refs]
+        out = []
+        for i, ref in refs:
+            try:
+                out.append({"replica": i, **ray.get(ref)})
+            except RayActorError:  # died since: its reader reports it
+                continue
+        return out
 
     # ------------------------------------------------------------------ bookkeeping
     def _release(self, request_id: str, replica: int | None = None) -> list[int]:
@@ -147,11 +154,15 @@ class ReplicaSetClient:
         while not self._stop.is_set():
             try:
                 outs = ray.get(handle.poll.remote(POLL_S))
-            except RayActorError as e:
-                if not self._stop.is_set():
-                    self._replica_failed(i, e)
-                    if i in self._dead:
-                        return
+            except Exception as e:  # noqa: BLE001 - a replica we cannot read is restarted, never waited on
+                if self._stop.is_set():
+                    return
+                if not isinstance(e, RayActorError):
+                    log.error("reading replica %d failed (%s); restarting it", i, e)
+                    ray.kill(handle, no_restart=False)
+                self._replica_failed(i, e)
+                if i in self._dead:
+                    return
                 continue
             if outs:
                 for o in outs:
@@ -201,3 +212,5 @@ class ReplicaSetClient:
         self._kill_all()
         for t in self._readers:
             t.join(timeout=5)
+        if self._own_ray:
+            ray.shutdown()

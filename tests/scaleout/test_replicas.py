@@ -102,3 +102,19 @@ def test_a_killed_replica_fails_its_requests_and_comes_back(engine, ray_local, r
     batch = prompts(3, seed=9)
     assert asyncio.run(generate_all(engine, batch, "after")) == [reference(p) for p in batch]
     assert_no_leaks(engine)
+
+
+def test_the_openai_server_runs_on_the_replicas(engine):
+    from fastapi.testclient import TestClient
+
+    from pagedllm.server import create_app
+
+    with TestClient(create_app(engine)) as http:
+        r = http.post("/v1/completions", json={"prompt": prompts(1, seed=10)[0], "max_tokens": 4, "temperature": 0,
+                                               "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert http.get("/health").status_code == 200
+        metrics = http.get("/metrics").text
+        assert f"pagedllm_kv_blocks_total {float(2 * engine.spec.num_blocks)}" in metrics
+    assert_no_leaks(engine)
