@@ -126,7 +126,7 @@ def summarize(results: list[dict], wall: float, stats: dict) -> dict:
         out["transfer"] = {"handovers": n_imp, "blocks": stats["kv_transfer_blocks"],
                            "kib_per_handover": stats["kv_transfer_bytes"] / n_imp / 1024,
                            **{f"{k}_ms": 1000 * stats[f"kv_transfer_{k}_s"] / n_imp
-                              for k in ("export", "transit", "import")}}
+                              for k in ("export", "transit", "queue", "import")}}
     return out
 
 
@@ -175,12 +175,11 @@ def _report(res: dict, args) -> Report:
                      "prefix hit %", "TTFT p50 / 1 engine"], rows, "Serving latency (all requests)", 1),
               Table(["system", "prompts", "n", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"], rows_split,
                     "Short vs long prompts", 1)]
-    moved = [[n, s["transfer"]["handovers"], s["transfer"]["kib_per_handover"], s["transfer"]["export_ms"],
-              s["transfer"]["transit_ms"], s["transfer"]["import_ms"]]
-             for n, s in res["systems"].items() if "transfer" in s]
+    moved = [[n, t["handovers"], t["kib_per_handover"], t["export_ms"], t["transit_ms"], t["queue_ms"], t["import_ms"]]
+             for n, s in res["systems"].items() if (t := s.get("transfer"))]
     if moved:
-        tables.append(Table(["system", "handovers", "KiB each", "export ms", "transit ms", "import ms"], moved,
-                            "KV handed from prefill to decode (means per handover)", 2))
+        tables.append(Table(["system", "handovers", "KiB each", "export ms", "transit ms", "wait for step ms",
+                             "import ms"], moved, "KV moved between replicas (means per handover)", 2))
     notes = [f"{res['num_requests']} requests ({res['long']} long), Poisson arrivals at {res['rate']} req/s "
              f"(seed {args.seed}), greedy, ignore_eos; dtype {res['dtype']}; {os.cpu_count()} CPUs; each Ray replica "
              f"1 CPU (1 thread), the single engine all of them.",

@@ -101,7 +101,8 @@ class ReplicaSetClient:
                 out.set_result(None)
                 return
             self._release(req.request_id)
-            out.set_exception(RuntimeError(f"starting request {req.request_id!r} on replica {d} failed: {e}"))
+            why = f"replica {d} died" if isinstance(e, RayActorError) else f"starting it on replica {d} failed"
+            out.set_exception(RuntimeError(f"request {req.request_id!r}: {why}: {e}"))
 
         ref.future().add_done_callback(settle)
         return out

@@ -41,7 +41,8 @@ class TransferStats:
     blocks: int = 0  # blocks written (already cached ones are skipped)
     bytes: int = 0  # bytes received
     export_s: float = 0.0
-    transit_s: float = 0.0  # export finished -> import started: object store, queues, scheduling
+    transit_s: float = 0.0  # export finished -> the importing replica received it (object store, Ray)
+    queue_s: float = 0.0  # received -> import started (the importing core finishing its step)
     import_s: float = 0.0
 
     def add(self, other: TransferStats) -> None:
@@ -63,10 +64,12 @@ def export_prefix(core: EngineCore, token_ids: list[int], cache_salt: str | None
                     time.perf_counter() - t0, time.time())
 
 
-def import_prefix(core: EngineCore, blocks: KVBlocks) -> TransferStats:
-    """Index ``blocks`` in ``core``'s prefix cache and write the K/V of those it lacked. Run between steps."""
-    t0 = time.perf_counter()
-    transit = max(time.time() - blocks.sent_at, 0.0)
+def import_prefix(core: EngineCore, blocks: KVBlocks, received_at: float | None = None) -> TransferStats:
+    """Index ``blocks`` in ``core``'s prefix cache and write the K/V of those it lacked. Run between
+    steps; ``received_at`` (time.time) splits the wait into transit and queueing."""
+    t0, now = time.perf_counter(), time.time()
+    received = now if received_at is None else received_at
+    transit, queued = max(received - blocks.sent_at, 0.0), max(now - received, 0.0)
     writes = core.kv.import_blocks(blocks.hashes, blocks.token_ids, blocks.cache_salt)
     if writes:
         positions = [i for i, _ in writes]
@@ -79,7 +82,8 @@ def import_prefix(core: EngineCore, blocks: KVBlocks) -> TransferStats:
             for _, b in writes:  # indexed but never written: no request may hit them
                 core.kv.prefix_cache.remove(b)
             raise
-    return TransferStats(1, len(writes), blocks.num_bytes, blocks.export_s, transit, time.perf_counter() - t0)
+    return TransferStats(1, len(writes), blocks.num_bytes, blocks.export_s, transit, queued,
+                         time.perf_counter() - t0)
 
 
 def _select_blocks(t: torch.Tensor, positions: list[int], num_blocks: int) -> torch.Tensor:

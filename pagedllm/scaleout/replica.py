@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
@@ -70,6 +71,7 @@ class Replica:
     # ------------------------------------------------------------------ commands
     def add(self, req: EngineCoreRequest, kv: KVBlocks | None = None) -> TransferStats | None:
         """Import ``kv`` (a peer's or a prefill replica's blocks of this prompt), then queue the request."""
+        received = time.time()
         with self._cv:
             if req.request_id in self._tombstones:  # aborted already: never start it
                 del self._tombstones[req.request_id]
@@ -77,7 +79,7 @@ class Replica:
             self._live.add(req.request_id)
 
         def run(core: EngineCore) -> TransferStats | None:
-            stats = import_prefix(core, kv) if kv is not None else None
+            stats = import_prefix(core, kv, received) if kv is not None else None
             core.add_request(req)
             return stats
 
