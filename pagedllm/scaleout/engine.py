@@ -23,8 +23,8 @@ SUMMED = ("num_blocks", "free", "cached_free", "used", "num_cached", "num_seqs",
 
 
 class ScaleOutEngine(AsyncEngine):
-    def __init__(self, args: EngineArgs, cfg: ScaleOutConfig | None = None) -> None:  # noqa: super-init-not-called
-        # AsyncEngine's state, with the replica set in place of one engine core
+    def __init__(self, args: EngineArgs, cfg: ScaleOutConfig | None = None) -> None:
+        # AsyncEngine's state (its __init__ would build a core here), with the replica set as the core client
         self.args = args
         self.cfg = cfg or ScaleOutConfig.from_engine_args(args)
         self.tokenizer = load_tokenizer(args.model)
