@@ -25,7 +25,13 @@ ENGINE_FLAG_HELP = {
     "scheduling_policy": "admission order: fcfs or lpm (longest prefix match first)",
     "batching": "continuous (admit every step) or static",
     "attention_backend": "auto, cpu, reference, flex or triton",
+    "device": "auto (cuda when available, else cpu), cpu or cuda[:N]: where the model, KV cache and sampler live",
+    "distributed_executor_backend": "uni (the worker in the engine core's process) or mp (in a child process)",
+    "speculative_config": 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}',
     "check_integrity": "verify the KV pool's bookkeeping after every step (slow; for debugging)",
+    "data_parallel_size": "engine replicas on Ray behind this front end, routed by prefix affinity (the ray extra)",
+    "ray_address": "Ray cluster for the replicas (e.g. auto, ray://host:10001); default: a local Ray instance",
+    "disaggregate": "prefill=P,decode=D: P replicas compute prompts, their KV moves to D replicas that generate",
     "seed": "random seed of the engine",
     "device": "where the model, KV cache and sampler live: auto (cuda when available, else cpu), cpu, cuda[:N]",
     "tensor_parallel_size": "shard the model over this many worker processes (torch.distributed: gloo on CPU, "

@@ -17,9 +17,8 @@ from pagedllm.models.loader import load_tokenizer
 from pagedllm.scaleout.client import ReplicaSetClient
 from pagedllm.scaleout.config import ScaleOutConfig
 
-SUMMED = ("num_blocks", "free", "cached_free", "used", "num_cached", "num_seqs", "num_swapped", "host_blocks",
-          "host_free", "queries", "hits", "query_tokens", "hit_tokens", "running", "waiting", "swapped",
-          "num_preemptions", "prompt_tokens_computed", "prompt_tokens_cached", "generation_tokens", "num_steps")
+SAME = ("block_size", "kv_dtype", "kv_bytes_per_token")  # equal on every replica
+AVERAGED = ("spec_acceptance_rate", "spec_mean_accepted_length")
 
 
 class ScaleOutEngine(AsyncEngine):
@@ -54,12 +53,20 @@ class ScaleOutEngine(AsyncEngine):
 
 
 def aggregate_stats(per: list[dict]) -> dict:
-    total = {k: sum(s[k] for s in per) for k in SUMMED}
-    for k in per[0] if per else ():
-        if k.startswith("kv_transfer_"):
+    """One snapshot for the whole set: counts and gauges summed, rates recomputed from the sums."""
+    if not per:
+        raise RuntimeError("no replica answered")
+    total: dict = {}
+    for k, v in per[0].items():
+        if k == "replica":
+            continue
+        if k in SAME or isinstance(v, bool) or not isinstance(v, (int, float)):
+            total[k] = v
+        elif k in AVERAGED:
+            total[k] = sum(s[k] for s in per) / len(per)
+        else:
             total[k] = sum(s[k] for s in per)
-    total["block_size"] = per[0]["block_size"] if per else 0
-    total["usage"] = total["used"] / total["num_blocks"] if total["num_blocks"] else 0.0
+    total["usage"] = total["used"] / total["num_blocks"]
     total["hit_rate"] = total["hit_tokens"] / total["query_tokens"] if total["query_tokens"] else 0.0
     total["request_hit_rate"] = total["hits"] / total["queries"] if total["queries"] else 0.0
     total["replicas"] = per
