@@ -47,3 +47,26 @@ def test_import_refuses_other_hashes_and_shapes(cores):
     assert b.kv.match_prefix(q, "tenant-a", record=False).num_tokens == 0  # nothing half-imported
     b.check_integrity()
     assert export_prefix(a, [1, 2, 3]) is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_blocks_move_with_their_scales(tiny_args, kv_dtype):
+    import dataclasses
+
+    from pagedllm.engine.core import EngineCore
+
+    args = dataclasses.replace(tiny_args, kv_cache_dtype=kv_dtype)
+    a, b = EngineCore(args), EngineCore(args)
+    try:
+        q, p = prompts(2, prefix_len=40, seed=5)
+        expected = run_core(a, "q", q)
+        run_core(b, "p", p[:17])  # b already holds the first block: only the second is written
+        blocks = export_prefix(a, q)
+        assert "scales" in blocks.data
+        assert import_prefix(b, blocks).blocks == 1
+        assert run_core(b, "q", q) == expected
+        for c in (a, b):
+            c.check_integrity()
+    finally:
+        a.shutdown()
+        b.shutdown()
