@@ -35,6 +35,7 @@ log = logging.getLogger("pagedllm.scaleout")
 
 POLL_S = 0.5  # a reader's longest wait for outputs (bounds how late shutdown is noticed)
 RESTART_WAIT_S = 120.0  # a dead replica that does not answer within this is given up
+STARTUP_TIMEOUT_S = 600.0  # replicas that cannot be placed (too few CPUs) fail the start, never hang it
 
 
 class ReplicaSetClient:
@@ -53,7 +54,12 @@ class ReplicaSetClient:
         replica_args = dataclasses.replace(args, data_parallel_size=1, disaggregate=None, ray_address=None)
         self.replicas = [actor.remote(replica_args, i) for i in range(cfg.size)]
         try:
-            specs = ray.get([r.spec.remote() for r in self.replicas])
+            specs = ray.get([r.spec.remote() for r in self.replicas], timeout=STARTUP_TIMEOUT_S)
+        except GetTimeoutError:
+            self._kill_all()
+            have = ray.cluster_resources().get("CPU", 0)
+            raise RuntimeError(f"{cfg.size} replicas did not start within {STARTUP_TIMEOUT_S:.0f} s: they ask for "
+                               f"{cfg.num_cpus_per_replica} CPU each and the Ray cluster has {have}") from None
         except Exception:
             self._kill_all()
             raise

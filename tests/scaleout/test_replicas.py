@@ -135,3 +135,11 @@ def test_bench_serve_drives_the_replicas_and_summarizes(engine):
     assert s["completed"] == 6 and not s["errors"] and s["tok_s"] == 24.0
     assert s["all"]["n"] == 6 and s["all"]["ttft_p50"] > 0 and len([x for r in results for x in r["itl"]]) == 18
     assert_no_leaks(engine)
+
+
+def test_replicas_that_cannot_be_placed_fail_the_start(ray_local, tiny_args, monkeypatch):
+    from pagedllm.scaleout import client
+
+    monkeypatch.setattr(client, "STARTUP_TIMEOUT_S", 3.0)
+    with pytest.raises(RuntimeError, match="did not start within 3 s: they ask for 64 CPU each"):
+        client.ReplicaSetClient(tiny_args, ScaleOutConfig(num_replicas=2, num_cpus_per_replica=64), print, print)
