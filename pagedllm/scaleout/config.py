@@ -68,4 +68,7 @@ def wants_scaleout(args: EngineArgs) -> bool:
     wanted = args.data_parallel_size > 1 or bool(args.disaggregate)
     if args.ray_address and not wanted:
         raise ValueError("ray_address: only used with --data-parallel-size > 1 or --disaggregate")
+    if wanted and args.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size: each replica runs one worker in its own process (KV blocks move "
+                         "between replicas from that worker's pool); combine with --data-parallel-size later")
     return wanted

@@ -90,6 +90,7 @@ def test_serve_flags_that_contradict_or_would_be_ignored_are_refused():
     assert (cfg.num_prefill, cfg.num_decode, cfg.size, cfg.disaggregated) == (1, 2, 3, True)
     for flags, field in ((["--data-parallel-size", "0"], "data_parallel_size"),
                          (["--ray-address", "auto"], "ray_address"),
-                         (["--data-parallel-size", "2", "--disaggregate", "prefill=1,decode=1"], "data_parallel_size")):
+                         (["--data-parallel-size", "2", "--disaggregate", "prefill=1,decode=1"], "data_parallel_size"),
+                         (["--data-parallel-size", "2", "--tensor-parallel-size", "2"], "tensor_parallel_size")):
         with pytest.raises(ValueError, match=field):
             wants_scaleout(args(*flags))
