@@ -70,5 +70,5 @@ def wants_scaleout(args: EngineArgs) -> bool:
         raise ValueError("ray_address: only used with --data-parallel-size > 1 or --disaggregate")
     if wanted and args.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size: each replica runs one worker in its own process (KV blocks move "
-                         "between replicas from that worker's pool); combine with --data-parallel-size later")
+                         "between replicas from that worker's pool): not combined with scale-out yet")
     return wanted
