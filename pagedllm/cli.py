@@ -117,7 +117,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     allowed_hosts = args.allowed_hosts.split(",") if args.allowed_hosts else default_allowed_hosts(args.host)
-    engine = AsyncEngine(EngineArgs.from_namespace(args))
+    from pagedllm.scaleout.config import wants_scaleout
+
+    eargs = EngineArgs.from_namespace(args)
+    if wants_scaleout(eargs):  # replicas on Ray (the ray extra)
+        from pagedllm.scaleout.engine import ScaleOutEngine
+
+        engine = ScaleOutEngine(eargs)
+    else:
+        engine = AsyncEngine(eargs)
     app = create_app(engine, api_key=args.api_key, served_model_name=args.served_model_name,
                      stats_interval_s=args.stats_interval or None, metrics_token=args.metrics_token,
                      metrics_open=args.metrics_open, enable_docs=args.enable_docs, allowed_hosts=allowed_hosts,

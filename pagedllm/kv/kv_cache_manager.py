@@ -133,6 +133,43 @@ class KVCacheManager:
             self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs])
         st.num_registered = n_full
 
+    def import_blocks(self, hashes: Sequence[int], token_ids: Sequence[int],
+                      cache_salt: str | None = None) -> list[tuple[int, int]]:
+        """Index full blocks computed by another engine (a peer replica, a prefill replica) in the
+        prefix cache, so a later request's ``match_prefix`` hits them. ``hashes`` are their chain
+        hashes, ``token_ids`` their tokens (``len(hashes) * block_size``); the hashes must be the
+        ones this engine makes (same hash key, block size and salt), else ValueError.
+
+        Blocks already cached here are kept; each missing one gets a free block (LRU eviction as
+        for any allocation, never a block in use). Returns ``(position in hashes, block id)`` for
+        every block whose K/V the caller must write now, before anything else allocates: the
+        blocks are left cached-free (ref 0), like the blocks of a finished request."""
+        if not self.enable_prefix_caching or not hashes:
+            return []
+        bs = self.block_size
+        if len(token_ids) != len(hashes) * bs:
+            raise ValueError(f"token_ids: expected {len(hashes) * bs} ids for {len(hashes)} blocks, got {len(token_ids)}")
+        extra = extra_keys_for(cache_salt)
+        if hash_block_chain(None, token_ids, bs, extra) != list(hashes):
+            raise ValueError("hashes: not this engine's chain hashes of token_ids "
+                             "(engines sharing KV need the same hash key, block size and cache salt)")
+        pool = self.pool
+        # One extra token lifts match's "leave one token to compute" cap: every block is looked up.
+        held = self.prefix_cache.match([*token_ids, 0], extra, record=False).blocks
+        for b in held:
+            pool.incref(b)  # not evicted by the allocations below
+        writes = []
+        for i in range(len(held), len(hashes)):
+            if pool.num_free == 0:
+                break
+            b = pool.allocate()
+            held.append(b)
+            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs]):
+                writes.append((i, b))
+        for b in reversed(held):  # the tail is evicted first, as in free()
+            pool.free(b)
+        return writes
+
     # ---- allocation ----------------------------------------------------------------------
 
     def allocate_slots(
