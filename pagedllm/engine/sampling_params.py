@@ -68,6 +68,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+    speculative: bool = True  # False: no draft tokens for this request when the engine speculates
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

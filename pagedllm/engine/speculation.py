@@ -77,7 +77,7 @@ class Speculator:
             return False
         return (seq.num_uncomputed == 1 and seq.num_output_tokens >= max(p.min_tokens, 1) and p.n == 1
                 and not p.use_beam_search and p.logprobs is None and not p.logit_bias
-                and getattr(p, "structured_outputs", None) is None and getattr(p, "speculative", True)
+                and p.structured_outputs is None and p.speculative
                 and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
     def propose(self, running: list[Request], max_model_len: int) -> None:

@@ -47,6 +47,7 @@ class SamplingExtras(_Extra):
     best_of: int | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    speculative: bool = True  # False: this request opts out of speculative decoding
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -89,7 +90,7 @@ class SamplingExtras(_Extra):
                 bias[int(key)] = val
         return {"logit_bias": bias, "best_of": self.best_of, "include_stop_str_in_output":
                 self.include_stop_str_in_output, "truncate_prompt_tokens": self.truncate_prompt_tokens,
-                "structured_outputs": self.structured_params()}
+                "structured_outputs": self.structured_params(), "speculative": self.speculative}
 
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:

@@ -84,6 +84,10 @@ def test_ngram_drafts_under_preemption_and_abort(tiny_model_dir):
     eng = llm.engine
     stats = eng.core.speculator.stats
     assert stats.num_drafts > 0 and eng.scheduler.num_preemptions > 0
+    before = stats.num_drafts
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False),
+                 use_tqdm=False)
+    assert stats.num_drafts == before  # the request opted out
     rid = eng.add_request(prompts[0], sp)
     for _ in range(45):  # into the decode phase, drafting
         eng.step()
