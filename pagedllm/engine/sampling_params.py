@@ -137,6 +137,7 @@ class SamplingParams:
                  f"logit_bias values must be numbers in [-100, 100], got {self.logit_bias!r}")
         need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
              f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        need(isinstance(self.speculative, bool), f"speculative must be a boolean, got {self.speculative!r}")
         need(isinstance(self.include_stop_str_in_output, bool),
              f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}")
         need(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
