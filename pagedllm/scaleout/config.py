@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.engine.args import EngineArgs
+from pagedllm.kv.prefix_cache import HASH_KEY_ENV  # replicas sharing prefix KV must hash blocks with one key
 from pagedllm.scaleout.router import POLICIES
 
-HASH_KEY_ENV = "PAGEDLLM_HASH_KEY"  # replicas sharing prefix KV must hash blocks with one key
+__all__ = ["HASH_KEY_ENV", "ScaleOutConfig", "parse_disaggregate", "wants_scaleout"]
 
 
 def parse_disaggregate(spec: str) -> tuple[int, int]:
