@@ -444,8 +444,11 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     return error_response(e.status_code, ErrorInfo(message=message, code="not_found" if e.status_code == 404 else None))
 
 
-async def _server_error(_: Request, e: Exception) -> JSONResponse:
+async def _server_error(request: Request, e: Exception) -> JSONResponse:
+    """A 500 (503 once the engine has failed) that names no internals; the details go to the log."""
     log.error("unhandled error", exc_info=e)
+    if request.app.state.engine.error is not None:
+        return error_response(503, ErrorInfo(message="the engine has failed; restart the server", type="server_error"))
     return error_response(500, ErrorInfo(message="internal server error", type="server_error"))
 
 
