@@ -108,7 +108,8 @@ class CoreClient:
         self.error = e
         log.error("engine core failed: %s", e)
         for fut in list(self._calls.values()):
-            fut.set_exception(RuntimeError(f"engine core failed: {e}"))
+            if not fut.done():  # a caller may have cancelled it
+                fut.set_exception(RuntimeError(f"engine core failed: {e}"))
         self._calls.clear()
         if self._on_error is not None:
             self._on_error(e)
