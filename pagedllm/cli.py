@@ -112,10 +112,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template, encoding="utf-8") as f:
             chat_template = f.read()
-    if args.model_tag is not None:  # vLLM's `serve MODEL`
-        if args.model is not None and args.model != args.model_tag:
-            raise ValueError(f"model given twice: {args.model_tag!r} and --model {args.model!r}")
-        args.model = args.model_tag
     allowed_hosts = args.allowed_hosts.split(",") if args.allowed_hosts else default_allowed_hosts(args.host)
     from pagedllm.scaleout.config import wants_scaleout
 
@@ -206,11 +202,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_tag(args: argparse.Namespace) -> None:
+    """vLLM's ``serve MODEL``: the positional model is ``--model``."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ValueError(f"model given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
+
+
+def _is_worker_rank(args: argparse.Namespace) -> bool:
+    """Under torchrun with ``--distributed-executor-backend external_launcher``, ranks other than 0 run no
+    command of their own (no server): they execute rank 0's engine steps."""
+    return (getattr(args, "distributed_executor_backend", None) == "external_launcher"
+            and os.environ.get("RANK", "0") != "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        _model_tag(args)
+        if _is_worker_rank(args):
+            from pagedllm.executor.external_launcher import serve_rank
+
+            serve_rank(EngineArgs.from_namespace(args))
+            return 0
         return args.func(args)
     except KeyboardInterrupt:
         return 130

@@ -27,6 +27,7 @@ BENCHES = {
     "spec": "speculative decoding (ngram / suffix / draft model) vs none: speedup and acceptance, batch 1 and 16",
     "serve": "online serving TTFT/ITL under Poisson arrivals: 1 engine vs 2 Ray replicas (prefix routing on/off) vs P/D",
     "compare": "W1 on this checkout vs a git revision (--rev), alternating fresh processes: the new/old ratio",
+    "tp": "W1 at TP=1 (all cores, one process) vs TP=N (cores split between the ranks), alternating",
     "alloc": "block manager microbenchmark",
     "attention": "attention backend microbenchmark",
     "structured": "grammar mask + accept per decode step vs the step itself (JSON schemas, batch 1..64)",

@@ -20,9 +20,9 @@ _RUN_W1 = """
 import json, sys, time
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.workloads import W1, W1_QUICK, random_requests
-quick, seed, dtype = sys.argv[1] == "1", int(sys.argv[2]), sys.argv[3]
+quick, seed, dtype, engine = sys.argv[1] == "1", int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 w = W1_QUICK if quick else W1
-llm = LLM(dtype=dtype, seed=seed, **({"kv_cache_memory": 256 << 20} if quick else {}))
+llm = LLM(dtype=dtype, seed=seed, **{**({"kv_cache_memory": 256 << 20} if quick else {}), **engine})
 reqs = random_requests(llm.tokenizer, w["num"], w["prompt_range"], w["output_range"], seed=seed)
 warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
 llm.generate([r.prompt_ids for r in reqs[:2]], warm, use_tqdm=False)
@@ -41,9 +41,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="old/new pairs, alternating (default 2)")
 
 
-def _run_once(root: Path, args) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", _RUN_W1, "1" if args.quick else "0", str(args.seed), args.dtype],
+def run_w1(root: Path, args, engine: dict | None = None, threads: int | None = None) -> dict:
+    """W1 once in a fresh process on the package at ``root``: out tok/s, seconds, tokens. ``engine``: extra
+    ``LLM`` keyword arguments; ``threads``: the process's OMP threads (default: inherited)."""
+    env = {**os.environ, "PYTHONPATH": str(root), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    proc = subprocess.run([sys.executable, "-c", _RUN_W1, "1" if args.quick else "0", str(args.seed), args.dtype,
+                           json.dumps({**args.engine_args, **(engine or {})})],
                           cwd=root, env=env, capture_output=True, text=True, check=False)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
@@ -61,7 +64,7 @@ def run(args) -> Report:
         try:
             for r in range(args.rounds):
                 for name, root in (("old", old), ("new", here)) if r % 2 == 0 else (("new", here), ("old", old)):
-                    res = _run_once(root, args)
+                    res = run_w1(root, args)
                     print(f"round {r + 1} {name}: {res['out_tok_s']:.1f} out tok/s", file=sys.stderr)
                     results.append((name, res))
         finally:

@@ -62,7 +62,7 @@ class EngineArgs:
     batching: str = "continuous"
     attention_backend: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu; the model, KV cache and sampler live there
-    distributed_executor_backend: str = "uni"  # uni: the worker in this process; mp: in a child process
+    distributed_executor_backend: str = "uni"  # uni: this process; mp: a child process; external_launcher: torchrun
     tensor_parallel_size: int = 1  # > 1: that many worker processes, each with a shard (gloo on CPU, NCCL on CUDA)
     check_integrity: bool = False  # run the pool integrity check after every step
     speculative_config: str | None = None  # vLLM's dict as JSON: {"method": "ngram", "num_speculative_tokens": 4}

@@ -33,7 +33,9 @@ ENGINE_FLAG_HELP = {
     "device": "where the model, KV cache and sampler live: auto (cuda when available, else cpu), cpu, cuda[:N]",
     "tensor_parallel_size": "shard the model over this many worker processes (torch.distributed: gloo on CPU, "
                             "NCCL on CUDA); each holds its share of every KV block",
-    "distributed_executor_backend": "where the worker runs: uni (in the engine core's process) or mp (a child process)",
+    "distributed_executor_backend": "where the worker runs: uni (in the engine core's process), mp (a child process), "
+                                    "or external_launcher (ranks torchrun started, across nodes: rank 0 runs the "
+                                    "engine and the server, the others execute its steps)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(methods: ngram, suffix, draft_model with model or num_layers)",
 }

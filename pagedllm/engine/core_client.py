@@ -10,6 +10,7 @@ once: every caller hears of it, none hangs.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import queue
@@ -202,9 +203,12 @@ class ProcessCoreClient(CoreClient):
         self._on_error = on_error
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_core_proc_main, args=(args, child), name="pagedllm-core", daemon=True)
+        # Not daemonic: the core starts worker processes of its own (mp, tensor parallel), which a daemonic
+        # process may not. It still ends with us: a closed pipe stops its loop, and exit shuts it down first.
+        self._proc = ctx.Process(target=_core_proc_main, args=(args, child), name="pagedllm-core")
         self._proc.start()
         child.close()
+        atexit.register(self.shutdown)
         self._send_lock = threading.Lock()
         kind, payload = self._recv_first()
         if kind != "ready":
@@ -258,6 +262,7 @@ class ProcessCoreClient(CoreClient):
                 return
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)
         self._closing = True
         if self._proc.is_alive():
             try:

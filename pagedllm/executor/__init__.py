@@ -1,15 +1,20 @@
-"""Executors run the worker(s) for the engine core: in this process, or in a child process."""
+"""Executors run the worker(s) for the engine core: in this process, in a child process, as spawned
+tensor-parallel ranks, or as ranks ``torchrun`` launched (``external_launcher``)."""
 
 from __future__ import annotations
 
 from pagedllm.engine.args import EngineArgs
 from pagedllm.executor.base import Executor
 
-EXECUTORS = ("uni", "mp")
+EXECUTORS = ("uni", "mp", "external_launcher")
 
 
 def make_executor(args: EngineArgs) -> Executor:
     """The executor ``args.distributed_executor_backend`` names (ValueError for an unknown one)."""
+    if args.distributed_executor_backend == "external_launcher":
+        from pagedllm.executor.external_launcher import ExternalLauncherExecutor
+
+        return ExternalLauncherExecutor(args)
     if args.tensor_parallel_size > 1:
         from pagedllm.executor.tensor_parallel import TensorParallelExecutor
 

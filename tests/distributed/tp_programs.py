@@ -11,27 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention import get_backend
+from pagedllm.distributed.equivalence import Result, greedy
 from pagedllm.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group_from_env
-from pagedllm.distributed.sharding import kv_heads_per_rank, load_shard, shard_model
-from pagedllm.kv.kv_cache import KVCache
-from pagedllm.model_runner import ModelRunner, greedy_generate
+from pagedllm.distributed.sharding import shard_model
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.quant import load_blocks
-
-BLOCK_SIZE = 16
-Result = tuple[list[list[int]], list[torch.Tensor]]  # greedy ids and float32 logits of each prompt
-
-
-def greedy(model: LlamaForCausalLM, prompts: list[list[int]], n_new: int, backend: str) -> Result:
-    """Greedy decode of all prompts in one batch, on this rank's KV heads (``model.tp`` None: TP=1)."""
-    cfg = model.config
-    world = 1 if model.tp is None else model.tp.world_size
-    blocks = sum(-(-(len(p) + n_new) // BLOCK_SIZE) for p in prompts)
-    kv = KVCache(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, world), cfg.head_dim, blocks, BLOCK_SIZE)
-    return greedy_generate(ModelRunner(model, kv, get_backend(backend)), prompts, n_new, return_logits=True)
-
 
 def tiny_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> LlamaForCausalLM:
     """Our model with these HF-named weights."""
@@ -66,17 +51,6 @@ def tiny_rank(tp: TPGroup | None, specs: list[TinySpec], prompts: list[list[int]
             model.pack_for_int8_activations()
         out.extend(greedy(model, prompts, n_new, b) for b in spec.backends)
     return out
-
-
-def checkpoint_rank(tp: TPGroup | None, model_path: str | None, prompts: list[list[int]], n_new: int,
-                    backend: str, quantization: str = "auto") -> Result:
-    """A real checkpoint (``load_checkpoint`` path) loaded, and sharded on this rank."""
-    from pagedllm.models.loader import load_checkpoint
-
-    ckpt = load_checkpoint(model_path)
-    model = (LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization) if tp is None
-             else load_shard(ckpt, tp, quantization=quantization))
-    return greedy(model, prompts, n_new, backend)
 
 
 def main() -> int:
