@@ -195,6 +195,9 @@ def test_dashboard_in_chromium(server, browser, tmp_path):
     wait.until(lambda d: "live" in d.find_element(By.ID, "conn").get_attribute("class")
                and text("n-total") == str(num_blocks))
 
+    pool = server.engine.spec.kv_pool  # the pool's dtype and real bytes per token are on the page
+    assert f"{pool['dtype']} KV cache" in text("granularity")
+    assert f"{pool['capacity_tokens']:,} tokens" in text("granularity")
     _ask(server, 0, 1)  # SYSTEM is in the prefix cache before the burst
     threads = _start_requests(server, 5, 64)
     try:

@@ -88,12 +88,20 @@
     $("n-maxref").textContent = maxRef;
     $("n-cached").textContent = c.cached_free;
     $("n-free").textContent = c.free;
-    $("granularity").textContent = s.blocks
+    $("granularity").textContent = (s.blocks
       ? `${c.total} blocks × ${s.block_size} tokens`
-      : `${c.total} blocks × ${s.block_size} tokens · one cell = ${s.buckets.size} blocks`;
+      : `${c.total} blocks × ${s.block_size} tokens · one cell = ${s.buckets.size} blocks`) + kvPoolText(s.stats);
     $("v-usage").textContent = pct(s.usage);
     $("v-hit").textContent = pct(s.hit_rate);
     $("v-toks").textContent = s.tok_s.toFixed(1);
+  }
+
+  // The pool's element type and its real bytes per token (quantized caches: scales included).
+  function kvPoolText(stats) {
+    if (!stats || !stats.kv_dtype) return "";
+    const perTok = stats.kv_bytes_per_token;
+    const size = perTok >= 1024 ? `${(perTok / 1024).toFixed(1)} KiB` : `${Math.round(perTok)} B`;
+    return ` · ${stats.kv_dtype} KV cache, ${size}/token, ${stats.kv_capacity_tokens.toLocaleString("en-US")} tokens`;
   }
 
   // ---------------------------------------------------------------- grid
