@@ -5,7 +5,7 @@ that hands both kinds of pool to a kernel the same way.
 
 Import-safe without triton: the helpers exist only when ``import triton`` works (``HAS_TRITON``). They run
 on CUDA and in Triton's CPU interpreter (``TRITON_INTERPRET=1``), where jitted helpers calling each other,
-constexpr arguments and ``if`` on a constexpr all work (triton 3.x).
+constexpr arguments and ``if`` on a constexpr all work (checked with triton 3.9).
 """
 
 from __future__ import annotations
