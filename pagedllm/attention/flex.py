@@ -246,10 +246,19 @@ class FlexBackend:
     # ---- attention -----------------------------------------------------------------------
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if isinstance(k_cache, QuantizedKV):
-            # flex_attention takes q, k, v of one float dtype and has no hook on the loaded values (score_mod
-            # sees scores, not V): an int8 / fp8 pool could only be read through a dequantized copy
-            raise ValueError(f"kv_cache_dtype {k_cache.dtype}: the flex backend reads float pools only; "
-                             "use attention_backend 'cpu', 'triton' or 'reference'")
+            # int8 / fp8 blocks cannot be read in place through flex (torch 2.13, checked):
+            # - the output is sum_j p_j v_j over the V tensor flex is given: score_mod sees scores, never loaded
+            #   values, and inductor's flex templates load K/V themselves (no prologue fusion), so a
+            #   `.to(float) * scale` before the call is a dequantized copy of the pool;
+            # - CPU: the compiled C++ flex template raises "Mixed query, key, and value dtype is not supported on
+            #   this platform"; eager flex accepts int8 / fp8 K/V but upcasts them into dense scores over the pool;
+            # - CUDA: the Triton template casts K/V codes to q's dtype as it loads them (allow_lowp_kv), so K's
+            #   scale fits in score_mod (score * k_scale[head, block]) and fp8's per-head V scale in the output,
+            #   but int8's per-block V scale needs a second pass (log-scale in score_mod, renormalised by the two
+            #   passes' log-sum-exps). Not built: it cannot be verified without a GPU.
+            raise ValueError(f"kv_cache_dtype {k_cache.dtype}: the flex backend reads float pools only (flex "
+                             "attention cannot dequantize V as it loads it); use attention_backend 'cpu', 'triton' "
+                             "or 'reference'")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.forward_attend(q, k_cache, v_cache, meta, scale)
 

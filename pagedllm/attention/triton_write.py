@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.triton_prefill import HAS_TRITON, _pad_pow2
+from pagedllm.attention.triton_common import HAS_TRITON, pad_pow2
 
 if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
     import triton
@@ -33,4 +33,4 @@ def write_kv_fused(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         return
     _write_kv_kernel[(T, Hkv)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), D=D, D_PAD=_pad_pow2(D, 16))
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), D=D, D_PAD=pad_pow2(D, 16))

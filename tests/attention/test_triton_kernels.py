@@ -1,6 +1,7 @@
-"""The Triton paged kernels (decode, and varlen prefill over scattered blocks) against the reference
-backend; on a machine without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set in
-tests/conftest.py). Also the whole engine with the triton backend, token for token the reference's."""
+"""The Triton paged kernels (decode, split-K and varlen prefill over scattered blocks) on float pools against the
+reference backend (quantized pools: test_kv_quant_backends.py); on a machine without a GPU they run in Triton's
+interpreter (TRITON_INTERPRET=1, set in tests/conftest.py). Also the whole engine with the triton backend, token
+for token the reference's, on a float and an int8 KV cache."""
 
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ def test_triton_matches_reference(case, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_engine_with_triton_equals_reference(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_with_triton_equals_reference(tiny_model_dir, kv_cache_dtype):
+    """Greedy tokens identical to the reference backend's, on a float pool and on an int8 one (both backends
+    reading the same quantized codes and scales)."""
     prompts = [[5, 17, 300, 42] * 9, [7, 8, 9]]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = {}
     for backend in ("reference", "triton"):
         llm = LLM(tiny_model_dir, attention_backend=backend, kv_cache_memory=8 << 20, max_num_batched_tokens=16,
-                  check_integrity=True)  # a 16-token budget: chunked prefill and mixed steps
+                  kv_cache_dtype=kv_cache_dtype, check_integrity=True)  # a 16-token budget: chunked prefill, mixed
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert outs["triton"] == outs["reference"]
