@@ -45,22 +45,30 @@ def fill_pool(kv: KVCache) -> None:
 
 
 @torch.inference_mode()
-def decode_step_ms(model, cfg, backend, dtypes: tuple[str, ...], ctx: int, steps: int) -> dict[str, float]:
-    """Median wall time of one batch-1 decode step of the whole model at ``ctx`` tokens of context, per KV
-    dtype; the dtypes' steps alternate, so the machine's drift falls on all of them alike."""
+def decode_step_ms(model, cfg, backend, dtypes: tuple[str, ...], ctx: int, steps: int) -> dict[str, dict]:
+    """Median wall times at batch 1 with ``ctx`` tokens of context, per KV dtype: one decode step of the whole
+    model ("step") and the attention of all its layers alone ("attention": one layer's call times the layer
+    count), so the share the K/V bytes can move is visible. The dtypes alternate, so the machine's drift falls
+    on all of them alike."""
     meta = AttentionMetadata.build([1], [ctx], [list(range(-(-ctx // 16)))], 16)
     pools = {}
     for d in dtypes:
         pools[d] = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, -(-ctx // 16) + 1, 16, dtype=d)
         fill_pool(pools[d])
     tok = torch.tensor([42])
-    times: dict[str, list[float]] = {d: [] for d in dtypes}
+    q = torch.randn(1, cfg.num_heads, cfg.head_dim)
+    new_kv = torch.randn(1, cfg.num_kv_heads, cfg.head_dim)
+    times: dict[str, dict[str, list[float]]] = {d: {"step": [], "attention": []} for d in dtypes}
     for _ in range(steps + 2):
         for d, kv in pools.items():
             t0 = time.perf_counter()
             model.compute_logits(model(tok, meta.positions, kv, meta, backend))
-            times[d].append(time.perf_counter() - t0)
-    return {d: 1e3 * statistics.median(t[2:]) for d, t in times.items()}
+            t1 = time.perf_counter()
+            backend.forward(q, new_kv, new_kv, *kv.layer(0), meta, cfg.head_dim ** -0.5)
+            t2 = time.perf_counter()
+            times[d]["step"].append(t1 - t0)
+            times[d]["attention"].append((t2 - t1) * cfg.num_layers)
+    return {d: {k: 1e3 * statistics.median(v[2:]) for k, v in t.items()} for d, t in times.items()}
 
 
 def throughput(dtype: str, full: bool) -> dict:
@@ -97,7 +105,8 @@ def run(args) -> Report:
         res["perplexity"][d] = math.exp(nll / n)
     steps = 3 if quick else 15
     per_ctx = {c: decode_step_ms(model, cfg, backend, ("float32", "int8"), c, steps) for c in contexts}
-    res["decode_ms"] = {d: {c: per_ctx[c][d] for c in contexts} for d in ("float32", "int8")}
+    res["decode_ms"] = {d: {c: per_ctx[c][d]["step"] for c in contexts} for d in ("float32", "int8")}
+    res["attention_ms"] = {d: {c: per_ctx[c][d]["attention"] for c in contexts} for d in ("float32", "int8")}
     res["throughput"] = {d: throughput(d, args.full) for d in (("float32", "int8") if not quick else ())}
     return _report(res)
 
@@ -110,15 +119,18 @@ def _report(r: dict) -> Report:
     tables = [Table(["kv cache", "bytes/token", f"tokens in {r['budget_bytes'] >> 20} MiB", "x fp32",
                      "perplexity", "ppl delta %"], rows, digits=3)]
     ctxs = list(dec["float32"])
-    tables.append(Table(["context", "fp32 ms/step", "int8 ms/step", "int8 speedup"],
-                        [[c, dec["float32"][c], dec["int8"][c], dec["float32"][c] / dec["int8"][c]] for c in ctxs],
-                        digits=2))
+    att = r["attention_ms"]
+    tables.append(Table(["context", "fp32 ms/step", "int8 ms/step", "int8 speedup", "fp32 attention ms",
+                         "int8 attention ms", "attention speedup", "attention share of the fp32 step"],
+                        [[c, dec["float32"][c], dec["int8"][c], dec["float32"][c] / dec["int8"][c], att["float32"][c],
+                          att["int8"][c], att["float32"][c] / att["int8"][c], att["float32"][c] / dec["float32"][c]]
+                         for c in ctxs], digits=2))
     if r["throughput"]:
         t = r["throughput"]
         tables.append(Table(["kv cache", "output tok/s", "total tok/s", "seconds"],
                             [[d, v["output_tok_s"], v["total_tok_s"], v["seconds"]] for d, v in t.items()], digits=1))
     notes = [f"SmolLM2-135M-Instruct, fp32 activations, attention backend {r['backend']}; decode: batch 1, "
-             "whole model, median step; perplexity: Wikipedia summaries, windows of 1024, chunks of 256"]
+             "whole model, median step (attention: one layer's call x layers, the same pools); perplexity: Wikipedia summaries, windows of 1024, chunks of 256"]
     rep = Report("kvquant", "Quantized KV cache: int8 / fp8 vs fp32", notes, tables)
     rep.result = r
     return rep

@@ -10,7 +10,9 @@
 // Quantized caches (pagedllm/kv/kv_quant.py): int8 with an fp32 scale per (kv head, block), or fp8 e4m3 / e5m2
 // with one per kv head (a [Hkv, num_blocks] view with block stride 0). Rows are dequantized into the chunk's
 // L1 buffer as they are read (AVX2 + F16C chosen at run time, scalar otherwise), then go through the same
-// score / P@V blocks as fp32; the write path quantizes the step's new rows (same bits as the Python path).
+// score / P@V blocks as fp32, except int8: its codes are converted in registers inside those blocks, and the
+// block's scale multiplies each key's score and each value's softmax weight (4x fewer bytes read than fp32, and
+// no float copy written and read back). The write path quantizes the step's new rows (same bits as Python's).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -97,6 +99,17 @@ struct Scales {
 };
 
 constexpr int64_t CHUNK = 64;
+
+// K/V row elements as floats: fp32 rows as they are, int8 codes unscaled (their block's scale multiplies the
+// dot product / the softmax weight instead, so an int8 row is converted in registers, never stored as floats).
+inline float elem(const float* p, int64_t d) { return p[d]; }
+inline float elem(const int8_t* p, int64_t d) { return static_cast<float>(p[d]); }
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 
 inline void row_to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void row_to_float(const at::BFloat16* src, float* dst, int64_t n) {
@@ -194,8 +207,10 @@ inline float exp_sub_sum(float* s, int64_t n, float mx) {
 
 // S[r * CHUNK + o] = scale * dot(Q[r], K[o]) for r < R, o < n (Q rows are D apart). Blocks of 3 rows x 4 keys
 // keep 12 accumulators in registers, so each loaded K vector feeds 3 FMAs and each Q vector 4.
-inline void scores_block(const float* Q, int64_t R, const float* const* K, int64_t n, int64_t D, float scale,
-                         float* S) {
+// kmul: a multiplier per key (an int8 row's block scale), or null.
+template <typename T>
+inline void scores_block(const float* Q, int64_t R, const T* const* K, const float* kmul, int64_t n, int64_t D,
+                         float scale, float* S) {
   int64_t r = 0;
 #ifdef __AVX2__
   if (D % 8 == 0) {
@@ -205,12 +220,11 @@ inline void scores_block(const float* Q, int64_t R, const float* const* K, int64
       float *s0 = S + r * CHUNK, *s1 = s0 + CHUNK, *s2 = s1 + CHUNK;
       int64_t o = 0;
       for (; o + 4 <= n; o += 4) {
-        const float *k0 = K[o], *k1 = K[o + 1], *k2 = K[o + 2], *k3 = K[o + 3];
+        const T *k0 = K[o], *k1 = K[o + 1], *k2 = K[o + 2], *k3 = K[o + 3];
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
         for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
-          const __m256 x2 = _mm256_loadu_ps(k2 + d), x3 = _mm256_loadu_ps(k3 + d);
+          const __m256 x0 = load8(k0 + d), x1 = load8(k1 + d), x2 = load8(k2 + d), x3 = load8(k3 + d);
           __m256 qv = _mm256_loadu_ps(q0 + d);
           a00 = _mm256_fmadd_ps(qv, x0, a00); a01 = _mm256_fmadd_ps(qv, x1, a01);
           a02 = _mm256_fmadd_ps(qv, x2, a02); a03 = _mm256_fmadd_ps(qv, x3, a03);
@@ -221,21 +235,23 @@ inline void scores_block(const float* Q, int64_t R, const float* const* K, int64
           a20 = _mm256_fmadd_ps(qv, x0, a20); a21 = _mm256_fmadd_ps(qv, x1, a21);
           a22 = _mm256_fmadd_ps(qv, x2, a22); a23 = _mm256_fmadd_ps(qv, x3, a23);
         }
-        _mm_storeu_ps(s0 + o, _mm_mul_ps(hsum4x8(a00, a01, a02, a03), sc));
-        _mm_storeu_ps(s1 + o, _mm_mul_ps(hsum4x8(a10, a11, a12, a13), sc));
-        _mm_storeu_ps(s2 + o, _mm_mul_ps(hsum4x8(a20, a21, a22, a23), sc));
+        const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
+        _mm_storeu_ps(s0 + o, _mm_mul_ps(hsum4x8(a00, a01, a02, a03), sk));
+        _mm_storeu_ps(s1 + o, _mm_mul_ps(hsum4x8(a10, a11, a12, a13), sk));
+        _mm_storeu_ps(s2 + o, _mm_mul_ps(hsum4x8(a20, a21, a22, a23), sk));
       }
       for (; o < n; ++o) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
+        const float so = kmul ? scale * kmul[o] : scale;
         for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x = _mm256_loadu_ps(K[o] + d);
+          const __m256 x = load8(K[o] + d);
           a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), x, a0);
           a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), x, a1);
           a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), x, a2);
         }
-        s0[o] = hsum8(a0) * scale;
-        s1[o] = hsum8(a1) * scale;
-        s2[o] = hsum8(a2) * scale;
+        s0[o] = hsum8(a0) * so;
+        s1[o] = hsum8(a1) * so;
+        s2[o] = hsum8(a2) * so;
       }
     }
   }
@@ -244,9 +260,9 @@ inline void scores_block(const float* Q, int64_t R, const float* const* K, int64
     const float* q = Q + r * D;
     for (int64_t o = 0; o < n; ++o) {
       float acc = 0.f;
-      const float* kr = K[o];
-      for (int64_t d = 0; d < D; ++d) acc += q[d] * kr[d];
-      S[r * CHUNK + o] = acc * scale;
+      const T* kr = K[o];
+      for (int64_t d = 0; d < D; ++d) acc += q[d] * elem(kr, d);
+      S[r * CHUNK + o] = acc * (kmul ? scale * kmul[o] : scale);
     }
   }
 }
@@ -254,7 +270,10 @@ inline void scores_block(const float* Q, int64_t R, const float* const* K, int64
 // A[r][:] += sum_o P[r * CHUNK + o] * V[o][:] for r < R (A rows are D apart). Blocks of 3 rows x 32 columns
 // keep 12 accumulators in registers, so each loaded V vector feeds 3 FMAs. (Holding all 4 of a row's V vectors
 // at once needs 19 registers: GCC spilled the accumulators to the stack, 8% slower from cache.)
-inline void pv_block(const float* P, int64_t R, const float* const* V, int64_t n, int64_t D, float* A) {
+// vmul: a multiplier per key (an int8 row's block scale, folded into its weight), or null.
+template <typename T>
+inline void pv_block(const float* P, int64_t R, const T* const* V, const float* vmul, int64_t n, int64_t D,
+                     float* A) {
   int64_t r = 0;
 #ifdef __AVX2__
   if (D % 32 == 0) {
@@ -266,11 +285,12 @@ inline void pv_block(const float* P, int64_t R, const float* const* V, int64_t n
         for (int i = 0; i < 3; ++i)
           for (int j = 0; j < 4; ++j) c[i][j] = _mm256_loadu_ps(a + i * D + d + 8 * j);
         for (int64_t o = 0; o < n; ++o) {  // 12 accumulators + 3 weights + 1 V vector: the 16 registers
-          const float* vr = V[o] + d;
-          const __m256 w0 = _mm256_broadcast_ss(p0 + o), w1 = _mm256_broadcast_ss(p1 + o);
-          const __m256 w2 = _mm256_broadcast_ss(p2 + o);
+          const T* vr = V[o] + d;
+          const float m = vmul ? vmul[o] : 1.f;
+          const __m256 w0 = _mm256_set1_ps(p0[o] * m), w1 = _mm256_set1_ps(p1[o] * m);
+          const __m256 w2 = _mm256_set1_ps(p2[o] * m);
           for (int j = 0; j < 4; ++j) {
-            const __m256 v = _mm256_loadu_ps(vr + 8 * j);
+            const __m256 v = load8(vr + 8 * j);
             c[0][j] = _mm256_fmadd_ps(w0, v, c[0][j]);
             c[1][j] = _mm256_fmadd_ps(w1, v, c[1][j]);
             c[2][j] = _mm256_fmadd_ps(w2, v, c[2][j]);
@@ -286,9 +306,9 @@ inline void pv_block(const float* P, int64_t R, const float* const* V, int64_t n
     const float* p = P + r * CHUNK;
     float* a = A + r * D;
     for (int64_t o = 0; o < n; ++o) {
-      const float w = p[o];
-      const float* vr = V[o];
-      for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+      const float w = vmul ? p[o] * vmul[o] : p[o];
+      const T* vr = V[o];
+      for (int64_t d = 0; d < D; ++d) a[d] += w * elem(vr, d);
     }
   }
 }
@@ -310,16 +330,20 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
   const kvscalar_t* vp = static_cast<const kvscalar_t*>(v_cache.data_ptr());
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
   constexpr bool kv_is_float = std::is_same_v<kvscalar_t, float>;
+  constexpr bool kv_is_int8 = std::is_same_v<kvscalar_t, Int8Code>;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), n_items));
 
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> qbuf(max_rows * D), acc(max_rows * D), m(max_rows), l(max_rows), s(max_rows * CHUNK);
-    std::vector<float> kbuf(kv_is_float ? 0 : CHUNK * D), vbuf(kv_is_float ? 0 : CHUNK * D), obuf(D);
+    std::vector<float> kbuf(kv_is_float || kv_is_int8 ? 0 : CHUNK * D), vbuf(kbuf.size()), obuf(D);
     std::vector<int64_t> pos(max_rows);
     const float* krow[CHUNK];
     const float* vrow[CHUNK];
+    const int8_t* krow8[CHUNK];  // int8 pools: the codes in place, with their block's scale per key
+    const int8_t* vrow8[CHUNK];
+    float kmul[CHUNK], vmul[CHUNK];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
       const Item& w = items[it];
@@ -369,6 +393,11 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
             if constexpr (kv_is_float) {
               krow[o] = reinterpret_cast<const float*>(kr);
               vrow[o] = reinterpret_cast<const float*>(vr);
+            } else if constexpr (kv_is_int8) {
+              krow8[o] = reinterpret_cast<const int8_t*>(kr);
+              vrow8[o] = reinterpret_cast<const int8_t*>(vr);
+              kmul[o] = sk;
+              vmul[o] = sv;
             } else if constexpr (is_code_v<kvscalar_t>) {
               dequant_row<kvscalar_t::format>(&kr->b, sk, kbuf.data() + o * D, D);
               dequant_row<kvscalar_t::format>(&vr->b, sv, vbuf.data() + o * D, D);
@@ -387,7 +416,8 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
         while (pos[r0] < c0) ++r0;
         const int64_t Ra = R - r0;
         float* s0 = s.data() + r0 * CHUNK;
-        scores_block(qbuf.data() + r0 * D, Ra, krow, n, D, scale, s0);
+        if constexpr (kv_is_int8) scores_block(qbuf.data() + r0 * D, Ra, krow8, kmul, n, D, scale, s0);
+        else scores_block(qbuf.data() + r0 * D, Ra, krow, static_cast<const float*>(nullptr), n, D, scale, s0);
         for (int64_t r = r0; r < R; ++r) {
           const int64_t nv = std::min(n, pos[r] - c0 + 1);  // causal: keys of the chunk the row sees
           float* sr = s.data() + r * CHUNK;
@@ -401,7 +431,8 @@ void run_items(const std::vector<Item>& items, const torch::Tensor& q, const tor
           l[r] = l[r] * corr + sum;
           m[r] = mx;
         }
-        pv_block(s0, Ra, vrow, n, D, acc.data() + r0 * D);
+        if constexpr (kv_is_int8) pv_block(s0, Ra, vrow8, vmul, n, D, acc.data() + r0 * D);
+        else pv_block(s0, Ra, vrow, static_cast<const float*>(nullptr), n, D, acc.data() + r0 * D);
       }
       for (int64_t qi = 0; qi < nq; ++qi) {
         const int64_t t = qsl[w.seq] + w.q_begin + qi;
