@@ -21,3 +21,18 @@ def test_tp2_engine_equals_tp1(tiny_model_dir, wiki_texts):
     assert two[3].num_cached_tokens > 0
     assert llm.engine.kv.stats()["used"] == 0
     llm.engine.shutdown()
+
+
+def test_tp2_engine_preempts_like_tp1(tiny_model_dir, wiki_texts):
+    """A pool too small for the batch: sequences are preempted (recomputed, or swapped to each rank's host tier)
+    and the greedy tokens still equal an unconstrained TP=1 run's."""
+    prompts = [t[:240] for t in wiki_texts[4:10]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = LLM(tiny_model_dir, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False)
+    for mode in ({}, {"preemption_mode": "swap", "swap_space": 8 << 20}):
+        llm = LLM(tiny_model_dir, tensor_parallel_size=2, num_blocks=16, check_integrity=True, **mode)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want], mode
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+        assert llm.engine.kv.stats()["used"] == 0
+        llm.engine.shutdown()
