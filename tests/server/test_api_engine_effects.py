@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import live_server
+from tests.server.conftest import live_server
 
 import pagedllm
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import live_server
+from tests.server.conftest import live_server
 from prometheus_client.parser import text_string_to_metric_families
 
 import pagedllm

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import live_server
+from tests.server.conftest import live_server
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 TASK = "pagedllm_tiny_mc"

@@ -4,7 +4,7 @@ process) and the API answers with TP=1's tokens."""
 from __future__ import annotations
 
 import httpx
-from conftest import API_KEY, live_server
+from tests.server.conftest import API_KEY, live_server
 
 from pagedllm import LLM, SamplingParams
 
