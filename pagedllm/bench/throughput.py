@@ -112,7 +112,12 @@ def run(args) -> Report:
     engine_warmup(llm)
 
     a8_llm = None
-    if llm.engine.runner.model.quantization == "gguf" and kernel_available(int8_activations=True):
+    a8_possible = llm.engine.runner.model.quantization == "gguf" and kernel_available(int8_activations=True)
+    if args.a8 and not a8_possible:
+        raise SystemExit("--a8 needs a GGUF model kept in its blocks with fp32 activations (--dtype float32) and the "
+                         f"int8 kernel; this run has dtype {dtype} and quantization "
+                         f"{llm.engine.runner.model.quantization!r}")
+    if a8_possible:
         small = {} if args.a8 else {"num_blocks": 64}  # batch-1 only: a small pool
         a8_llm = make_llm(args.dtype, seed=args.seed, **{**args.engine_args, "quantization": "gguf-a8", **small})
         engine_warmup(a8_llm)

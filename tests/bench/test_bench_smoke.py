@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 TINY = {
-    "throughput": ["--requests", "3", "--max-prompt", "24", "--max-output", "6", "--min-output", "2",
+    "throughput": ["--dtype", "float32", "--requests", "3",  # fp32: the int8-activation run needs it "--max-prompt", "24", "--max-output", "6", "--min-output", "2",
                    "--batch-size", "2", "--decode-tokens", "6"],
     "sweep": ["--batch-sizes", "1,2", "--new-tokens", "4"],
     "waste": ["--max-tokens", "6", "--repeat", "1"],

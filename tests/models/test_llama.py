@@ -7,6 +7,7 @@ tokens identical, logits of every generated position within 1e-4 (fp32).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -227,9 +228,11 @@ def test_smollm2_chunked_prefill_equals_one_pass(smol, backend):
 
 @pytest.mark.slow
 def test_smollm2_bf16_top1_agrees_with_fp32_hf(smol):
-    """bf16 weights and KV cache: top-1 agrees with fp32 HF on >= 99% of the positions of a
-    2,048-token text (4 consecutive 512-token windows, packed as one batch). On this CPU (no
-    native bf16) the model's default runs GEMMs/activations in fp32 over the bf16 weights."""
+    """bf16 weights and KV cache: top-1 against fp32 HF over a 2,048-token text (4 consecutive 512-token
+    windows, packed as one batch). Without native bf16 the model runs GEMMs/activations in fp32 over the bf16
+    weights: >= 99% agreement. With native bf16 (AVX512-BF16/AMX) activations are bf16 too, as on a GPU, and
+    HF's own bf16 forward is the yardstick: ours must agree with fp32 HF within 1.5 points of HF bf16's rate
+    (on a Zen 5 EPYC: HF bf16 98.3%, ours 97.5%)."""
     hf, _, _, ids = smol
     windows = [ids[i * 512 : (i + 1) * 512] for i in range(4)]
     with torch.no_grad():
@@ -244,4 +247,10 @@ def test_smollm2_bf16_top1_agrees_with_fp32_hf(smol):
     h = model(torch.tensor(sum(windows, [])), meta.positions, runner.kv_cache, meta, runner.backend)
     top1 = model.compute_logits(h).argmax(-1).view(4, 512)
     agree = (top1 == ref_top1).float().mean().item()
-    assert agree >= 0.99, f"bf16 top-1 agrees with fp32 HF on only {agree:.2%} of positions"
+    if model.upcast_matmuls:
+        assert agree >= 0.99, f"bf16 top-1 agrees with fp32 HF on only {agree:.2%} of positions"
+        return
+    with torch.no_grad():
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+        hf_agree = (hf_bf16(torch.tensor(windows)).logits.argmax(-1) == ref_top1).float().mean().item()
+    assert agree >= hf_agree - 0.015, f"bf16 top-1 agrees with fp32 HF on {agree:.2%}, HF bf16 on {hf_agree:.2%}"
