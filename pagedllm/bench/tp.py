@@ -35,8 +35,8 @@ def run(args) -> Report:
     ratio = mean[args.tp] / mean[1]
     rep = Report("tp", f"W1 out tok/s: TP=1 ({cores} threads) vs TP={args.tp} ({max(1, cores // args.tp)} "
                  "thread(s) per rank), alternating fresh processes",
-                 [f"{args.rounds} rounds; TP={args.tp} / TP=1 = {ratio:.3f} (means {mean[args.tp]:.1f} / "
-                  f"{mean[1]:.1f} out tok/s)"])
+                 [f"model {args.engine_args.get('model') or 'SmolLM2-135M-Instruct (embedded)'}; {args.rounds} rounds; "
+                  f"TP={args.tp} / TP=1 = {ratio:.3f} (means {mean[args.tp]:.1f} / {mean[1]:.1f} out tok/s)"])
     rep.tables.append(Table(["round", "TP", "out tok/s", "seconds"],
                             [[i // 2 + 1, tp, res["out_tok_s"], res["elapsed_s"]] for i, (tp, res) in enumerate(runs)]))
     rep.result = {"tp": args.tp, "cores": cores, "runs": [{"tp": tp, **res} for tp, res in runs],
