@@ -1,12 +1,14 @@
-"""Builds and caches pagedllm's C++ CPU kernels (``torch.utils.cpp_extension.load``).
+"""Builds, caches and loads pagedllm's C++ CPU kernels (``torch.utils.cpp_extension.load``).
 
-Each kernel is one self-contained ``.cpp`` file under a ``csrc/`` folder, compiled on first use with
+Each kernel is one ``.cpp`` file under ``pagedllm/ops/csrc/`` (with the headers beside it), a library of torch
+custom ops (``torch.ops.pagedllm.<op>``; see :mod:`pagedllm.ops`), loaded into the process with
+``torch.ops.load_library``. It is compiled on first use with
 ``-O3 -march=native -fopenmp`` (set ``PAGEDLLM_NO_MARCH_NATIVE=1`` for a portable build). Builds are
-keyed by the source's content, flags, torch version and the environment that links it (interpreter,
+keyed by the source's and its headers' content, flags, torch version and the environment that links it (interpreter,
 prefix, the CPU's ISA flags), not its path: torch's JIT rebuilds whenever the source path in its build
 file changes, so every checkout or reinstall of the package (or a switch between two of them) cost ~2
 minutes of compiling, some of it inside the first generation, and two environments sharing one folder
-rebuilt each other's kernels. The source is copied to ``~/.cache/pagedllm/kernels/<name>_<hash>/``
+rebuilt each other's kernels. The sources are copied to ``~/.cache/pagedllm/kernels/<name>_<hash>/``
 (``PAGEDLLM_KERNEL_CACHE`` moves it) and built there. A failed build is remembered, so callers can fall
 back without retrying the compiler every call.
 
@@ -28,11 +30,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
 
 log = logging.getLogger("pagedllm.native")
 
-_built: dict[str, ModuleType] = {}
+_built: dict[str, Path] = {}
 _failed: dict[str, Exception] = {}
 _lock = threading.Lock()
 
@@ -61,9 +62,15 @@ def _environment() -> str:
     return "\n".join([sys.executable, sys.prefix, sys.version, torch.__version__, _cpu_flags()])
 
 
+def _headers(source: Path) -> list[Path]:
+    """The headers a kernel may include: every ``.h`` beside it."""
+    return sorted(source.parent.glob("*.h"))
+
+
 def build_dir(name: str, source: Path) -> Path:
     """Where ``source`` is built: one folder per (content, flags, environment), shared by every checkout."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(_flags()).encode() + _environment().encode()).hexdigest()[:12]
+    content = b"".join(p.read_bytes() for p in [source, *_headers(source)])
+    key = hashlib.sha256(content + " ".join(_flags()).encode() + _environment().encode()).hexdigest()[:12]
     root = Path(os.environ.get("PAGEDLLM_KERNEL_CACHE") or Path.home() / ".cache" / "pagedllm" / "kernels")
     return root / f"{name}_{key}"
 
@@ -88,11 +95,12 @@ def _build_lock(where: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def load_extension(name: str, source: Path) -> ModuleType:
-    """The compiled module for ``source`` (built the first time, ~1 min); RuntimeError if it can't be built."""
-    mod = _built.get(name)
-    if mod is not None:
-        return mod
+def load_library(name: str, source: Path) -> Path:
+    """Build ``source`` (the first time, ~1 min) and load it into the process (its ops register themselves);
+    the library's path. RuntimeError if it can't be built or loaded."""
+    lib = _built.get(name)
+    if lib is not None:
+        return lib
     with _lock:
         if name in _built:
             return _built[name]
@@ -104,13 +112,15 @@ def load_extension(name: str, source: Path) -> ModuleType:
             where = build_dir(name, source)
             where.mkdir(parents=True, exist_ok=True)
             with _build_lock(where):
-                stable = where / source.name
-                if not stable.exists():  # write-then-rename: a killed copy never leaves half a file
-                    tmp = where / f".{source.name}.{os.getpid()}"
-                    tmp.write_bytes(source.read_bytes())
-                    tmp.replace(stable)
-                _built[name] = load(name=where.name, sources=[str(stable)], build_directory=str(where),
-                                    extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False)
+                for src in [source, *_headers(source)]:
+                    stable = where / src.name
+                    if not stable.exists():  # write-then-rename: a killed copy never leaves half a file
+                        tmp = where / f".{src.name}.{os.getpid()}"
+                        tmp.write_bytes(src.read_bytes())
+                        tmp.replace(stable)
+                load(name=where.name, sources=[str(where / source.name)], build_directory=str(where),
+                     extra_cflags=_flags(), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                _built[name] = where / f"{where.name}.so"
         except Exception as e:  # compiler missing, headers missing, build error
             _failed[name] = e
             raise RuntimeError(f"building the C++ kernel {name!r} (g++ with OpenMP and the Python headers) "
@@ -118,10 +128,10 @@ def load_extension(name: str, source: Path) -> ModuleType:
     return _built[name]
 
 
-def try_load_extension(name: str, source: Path) -> ModuleType | None:
-    """Like :func:`load_extension` but None when the kernel can't be built (callers fall back to ATen)."""
+def try_load_library(name: str, source: Path) -> Path | None:
+    """Like :func:`load_library` but None when the kernel can't be built (callers fall back to ATen)."""
     try:
-        return load_extension(name, source)
+        return load_library(name, source)
     except RuntimeError:
         return None
 
@@ -137,7 +147,7 @@ def build_all() -> dict[str, str]:
     out = {}
     for name, src in kernel_sources().items():
         try:
-            load_extension(name, src)
+            load_library(name, src)
             out[name] = "ok"
         except RuntimeError as e:
             out[name] = str(e)

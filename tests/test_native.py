@@ -15,20 +15,24 @@ PKG = Path(native.__file__).parent
 def test_build_dir_follows_content_not_path(tmp_path):
     name, src = next(iter(native.kernel_sources().items()))
     copy = tmp_path / "elsewhere" / src.name
-    copy.parent.mkdir()
-    shutil.copy(src, copy)
+    shutil.copytree(src.parent, copy.parent)  # the source with its headers
     assert native.build_dir(name, copy) == native.build_dir(name, src)
     copy.write_text(src.read_text() + "\n// changed\n")
+    assert native.build_dir(name, copy) != native.build_dir(name, src)
+    shutil.copy(src, copy)
+    header = next(copy.parent.glob("*.h"))
+    header.write_text(header.read_text() + "\n// changed\n")  # a header is part of every kernel's key
     assert native.build_dir(name, copy) != native.build_dir(name, src)
 
 
 def test_build_all_covers_every_kernel_the_package_loads():
     loaded = set()
     for py in PKG.rglob("*.py"):
-        loaded |= set(re.findall(r'load_extension\(\s*"(pagedllm_\w+)"', py.read_text()))
-    assert {"pagedllm_paged_attention", "pagedllm_gemm", "pagedllm_fused_ops", "pagedllm_quant_a8"} <= loaded
+        for call in re.findall(r"ops\.(?:load|require)\(([^)]*)\)", py.read_text()):
+            loaded |= set(re.findall(r'"(\w+)"', call))
+    assert {"paged_attention", "gemm", "fused_ops", "quant_a8"} <= loaded
     sources = native.kernel_sources()
-    assert loaded == set(sources), "every kernel callers load is a csrc/<name>.cpp that build_all builds"
+    assert {f"pagedllm_{k}" for k in loaded} == set(sources), "every kernel callers load is one build_all builds"
     assert "build_all()" in (PKG.parent / "scripts" / "setup.sh").read_text()
 
 
