@@ -42,6 +42,7 @@ def kernel_args(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 class CpuBackend:
     name = "cpu"
+    graph_safe = True  # decode reads only the metadata's tensors
 
     def __init__(self, q_tile: int = 16, sdpa_prefill_min_len: int | None = None) -> None:
         self.q_tile = q_tile
