@@ -12,6 +12,14 @@ rebuilt each other's kernels. The sources are copied to ``~/.cache/pagedllm/kern
 (``PAGEDLLM_KERNEL_CACHE`` moves it) and built there. A failed build is remembered, so callers can fall
 back without retrying the compiler every call.
 
+Ahead of time: :func:`build_all` (what ``scripts/setup.sh`` runs after installing, and what a
+``pip install --no-build-isolation`` build runs, see ``setup.py``) builds every kernel and puts the libraries
+into the package, ``pagedllm/ops/_aot/`` (``PAGEDLLM_AOT_DIR`` moves it), with a manifest of what each was built
+for: its sources' content, flags, torch, Python and the ISA flags of the CPU that compiled it. A start loads
+the ahead-of-time library when all of those match this machine (its CPU may have more ISA flags, not fewer),
+so a machine without a compiler (an image built elsewhere) runs the kernels; otherwise it builds them (JIT,
+cached as above), or falls back to ATen where it can't.
+
 A build may be killed at any moment. torch's own ``lock`` file then stays and every later start waits on
 it forever; so each build first takes an ``flock`` on ``.pagedllm.lock`` beside it, which the kernel drops
 when its holder dies. Holding that lock, any torch ``lock`` left in the folder belongs to a dead build
@@ -23,8 +31,10 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -67,10 +77,13 @@ def _headers(source: Path) -> list[Path]:
     return sorted(source.parent.glob("*.h"))
 
 
+def _content(source: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in [source, *_headers(source)])
+
+
 def build_dir(name: str, source: Path) -> Path:
     """Where ``source`` is built: one folder per (content, flags, environment), shared by every checkout."""
-    content = b"".join(p.read_bytes() for p in [source, *_headers(source)])
-    key = hashlib.sha256(content + " ".join(_flags()).encode() + _environment().encode()).hexdigest()[:12]
+    key = hashlib.sha256(_content(source) + " ".join(_flags()).encode() + _environment().encode()).hexdigest()[:12]
     root = Path(os.environ.get("PAGEDLLM_KERNEL_CACHE") or Path.home() / ".cache" / "pagedllm" / "kernels")
     return root / f"{name}_{key}"
 
@@ -95,9 +108,42 @@ def _build_lock(where: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def aot_dir() -> Path:
+    """Where the ahead-of-time libraries and their manifest are."""
+    return Path(os.environ.get("PAGEDLLM_AOT_DIR") or Path(__file__).parent / "ops" / "_aot")
+
+
+def _built_for(source: Path) -> dict:
+    """What a library built from ``source`` here and now is built for (an ahead-of-time manifest entry)."""
+    import torch
+
+    native = "-march=native" in _flags()
+    return {"source": hashlib.sha256(_content(source)).hexdigest(), "flags": _flags(), "torch": torch.__version__,
+            "python": sys.implementation.cache_tag, "cpu_flags": sorted(_cpu_flags().split()) if native else []}
+
+
+def aot_library(name: str, source: Path) -> Path | None:
+    """The ahead-of-time library of ``source`` if it was built for this machine (see the module docstring)."""
+    folder = aot_dir()
+    try:
+        entry = json.loads((folder / "manifest.json").read_text())[name]
+    except (OSError, ValueError, KeyError):
+        return None
+    here = _built_for(source)
+    differ = [k for k in ("source", "flags", "torch", "python") if entry.get(k) != here[k]]
+    if not set(entry.get("cpu_flags", [])) <= set(_cpu_flags().split()):
+        differ.append("CPU ISA flags")
+    lib = folder / entry.get("file", "")
+    if differ or not lib.is_file():
+        log.info("the ahead-of-time %s does not fit here (%s): building it", name, ", ".join(differ) or "no file")
+        return None
+    return lib
+
+
 def load_library(name: str, source: Path) -> Path:
-    """Build ``source`` (the first time, ~1 min) and load it into the process (its ops register themselves);
-    the library's path. RuntimeError if it can't be built or loaded."""
+    """Load ``source``'s library into the process (its ops register themselves): the ahead-of-time build when it
+    fits this machine, else the JIT build (the first time ~1 min); the library's path. RuntimeError if it can't
+    be built or loaded."""
     lib = _built.get(name)
     if lib is not None:
         return lib
@@ -106,6 +152,13 @@ def load_library(name: str, source: Path) -> Path:
             return _built[name]
         if name in _failed:
             raise RuntimeError(f"the C++ kernel {name!r} is unavailable: {_failed[name]}") from _failed[name]
+        aot = aot_library(name, source)
+        if aot is not None:
+            import torch
+
+            torch.ops.load_library(str(aot))
+            _built[name] = aot
+            return aot
         try:
             from torch.utils.cpp_extension import load
 
@@ -141,14 +194,32 @@ def kernel_sources() -> dict[str, Path]:
     return {f"pagedllm_{p.stem}": p for p in sorted(Path(__file__).parent.rglob("csrc/*.cpp"))}
 
 
-def build_all() -> dict[str, str]:
-    """Build every kernel now (setup does, so that no first request waits on the compiler); name -> error
-    or "ok"."""
+def build_all(dest: Path | None = None) -> dict[str, str]:
+    """Build every kernel now (so that no first request waits on the compiler) and install the libraries ahead of
+    time into ``dest`` (default :func:`aot_dir`) with their manifest; name -> "ok" or the error. Idempotent: a
+    library that fits this machine already is kept."""
+    dest = dest or aot_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest_path = dest / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        manifest = {}
     out = {}
     for name, src in kernel_sources().items():
         try:
-            load_library(name, src)
-            out[name] = "ok"
+            lib = load_library(name, src)
         except RuntimeError as e:
             out[name] = str(e)
+            continue
+        if lib.parent.resolve() != dest.resolve():
+            tmp = dest / f".{name}.so.{os.getpid()}"
+            shutil.copy2(lib, tmp)
+            tmp.replace(dest / f"{name}.so")
+            manifest[name] = {"file": f"{name}.so", **_built_for(src)}
+        out[name] = "ok"
+    tmp = dest / f".manifest.json.{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    tmp.replace(manifest_path)
     return out
+

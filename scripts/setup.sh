@@ -21,7 +21,8 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
 fi
 python3 -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 # Convert the embedded GGUF once (cached as safetensors) and build every C++ kernel (paged attention,
-# small-batch linear, fused ops, int8 GEMM), so that the engine starts in seconds afterwards.
+# small-batch linear, fused ops, int8 GEMM) into the package ahead of time (pagedllm/ops/_aot, with what they
+# were built for), so that the engine starts in seconds afterwards without compiling.
 python3 -c "
 from pagedllm.models.loader import load_checkpoint
 load_checkpoint(None)
