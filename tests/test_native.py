@@ -68,6 +68,18 @@ def test_an_ahead_of_time_library_is_used_only_where_it_was_built_for(tmp_path, 
         assert (native.aot_library(name, src) == tmp_path / "lib.so") is ok, change
 
 
+def test_without_a_compiler_a_kernel_runs_if_it_was_built_ahead_of_time(tmp_path, monkeypatch):
+    from pagedllm import ops
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("PAGEDLLM_AOT_DIR", str(tmp_path))
+    assert not ops.buildable("gemm")
+    (tmp_path / "lib.so").write_bytes(b"")
+    entry = {"file": "lib.so", **native._built_for(ops.source("gemm"))}
+    (tmp_path / "manifest.json").write_text(json.dumps({"pagedllm_gemm": entry}))
+    assert ops.buildable("gemm") and not ops.buildable("fused_ops")
+
+
 _LOAD = """
 import json, torch
 from pagedllm import native, ops

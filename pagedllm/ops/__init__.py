@@ -17,6 +17,7 @@ loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a
 from __future__ import annotations
 
 import functools
+import shutil
 from pathlib import Path
 
 from pagedllm import native
@@ -37,6 +38,13 @@ def require(kernel: str) -> None:
     """Build (first time) and load ``kernel``'s ops; RuntimeError saying why when that fails."""
     native.load_library(f"pagedllm_{kernel}", source(kernel))
     fake.register(kernel)
+
+
+def buildable(kernel: str) -> bool:
+    """Whether ``kernel`` can run here: a C++ compiler to build it, or an ahead-of-time library built for this
+    machine (cheap: nothing is compiled or loaded)."""
+    return bool(shutil.which("c++") or shutil.which("g++")) or native.aot_library(f"pagedllm_{kernel}",
+                                                                                 source(kernel)) is not None
 
 
 @functools.cache
