@@ -2,10 +2,10 @@
 
 Each kernel is one ``.cpp`` file under ``pagedllm/ops/csrc/`` (with the headers beside it), a library of torch
 custom ops (``torch.ops.pagedllm.<op>``; see :mod:`pagedllm.ops`), loaded into the process with
-``torch.ops.load_library``. It is compiled on first use with
-``-O3 -march=native -fopenmp`` (set ``PAGEDLLM_NO_MARCH_NATIVE=1`` for a portable build). Builds are
-keyed by the source's and its headers' content, flags, torch version and the environment that links it (interpreter,
-prefix, the CPU's ISA flags), not its path: torch's JIT rebuilds whenever the source path in its build
+``torch.ops.load_library``. It is compiled on first use with ``-O3 -march=native -fopenmp`` (set
+``PAGEDLLM_NO_MARCH_NATIVE=1`` for a portable build). Builds are keyed by the source's and its headers'
+content, flags, torch version and the environment that links it (interpreter, prefix, the CPU's ISA flags),
+not its path: torch's JIT rebuilds whenever the source path in its build
 file changes, so every checkout or reinstall of the package (or a switch between two of them) cost ~2
 minutes of compiling, some of it inside the first generation, and two environments sharing one folder
 rebuilt each other's kernels. The sources are copied to ``~/.cache/pagedllm/kernels/<name>_<hash>/``
@@ -222,4 +222,3 @@ def build_all(dest: Path | None = None) -> dict[str, str]:
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     tmp.replace(manifest_path)
     return out
-
