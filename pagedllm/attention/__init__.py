@@ -2,16 +2,17 @@
 
 ``BACKENDS`` lists the backends that can run on this machine (the model tests parametrize over
 it): ``reference`` and ``flex`` always, ``cpu`` when a C++ compiler is present (the kernel is
-built on first use), ``triton`` only with CUDA and triton installed.
+built on first use) or its library was built ahead of time for this machine, ``triton`` only with CUDA and
+triton installed.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
 
 import torch
 
+from pagedllm import ops
 from pagedllm.attention.base import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata, write_kv
 
@@ -20,7 +21,7 @@ ALL_BACKENDS = ("reference", "flex", "cpu", "triton")
 
 def _available() -> tuple[str, ...]:
     names = ["reference", "flex"]
-    if shutil.which("c++") or shutil.which("g++"):
+    if ops.buildable("paged_attention"):
         names.append("cpu")
     if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
         names.append("triton")

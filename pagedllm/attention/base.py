@@ -17,6 +17,9 @@ class AttentionBackend(Protocol):
     """
 
     name: str
+    # True when a decode step reads every per-step value from the metadata's tensors (its lists only as the
+    # batch's shape and upper bounds), so a captured decode step replays correctly (pagedllm.worker.cuda_graphs)
+    graph_safe: bool
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build per-step structures (masks, index maps) once, before the layers run."""

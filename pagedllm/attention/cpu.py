@@ -1,10 +1,9 @@
 """CPU backend: a C++ paged-attention kernel reading K/V in place through the block tables.
 
-The kernel (``csrc/paged_attention.cpp``) is built on first use with
-``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached under
-``~/.cache/torch_extensions``. Work is split over (sequence, query tile, kv head) with OpenMP;
-the ``group`` query heads of a kv head are computed together so each K/V row is read once;
-softmax is online with fp32 accumulation; caches may be fp32 or bf16, or int8 / fp8
+The kernel (``pagedllm/ops/csrc/paged_attention.cpp``, ops ``torch.ops.pagedllm.write_kv / attend_qkv /
+paged_attention_out``) is built at set-up or on first use (:mod:`pagedllm.native`). Work is split over
+(sequence, query tile, kv head) with OpenMP; the ``group`` query heads of a kv head are computed together so
+each K/V row is read once; softmax is online with fp32 accumulation; caches may be fp32 or bf16, or int8 / fp8
 (:class:`~pagedllm.kv.kv_quant.QuantizedKV`: the kernel quantizes the rows it writes and dequantizes the
 rows it reads, chunk by chunk in L1; the pool is never dequantized into a copy).
 
@@ -15,23 +14,20 @@ long enough that torch's CPU flash SDPA over a gathered context is faster
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from pagedllm import native
+from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import gather_sequence_kv
 from pagedllm.kv.kv_quant import QuantizedKV
 
-_SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 
 
-def load_extension():
-    """Build (first time, ~1 min) or load the cached C++ kernel; RuntimeError if it cannot be built."""
+def load_kernel() -> None:
+    """Build (first time, ~1 min) or load the cached C++ kernel's ops; RuntimeError if it cannot be built."""
     try:
-        return native.load_extension("pagedllm_paged_attention", _SRC)
+        ops.require("paged_attention")
     except RuntimeError as e:
         raise RuntimeError(f"the 'cpu' attention backend is unavailable: {e}. Install a C++ compiler or choose "
                            "the 'reference' or 'flex' backend.") from e
@@ -46,20 +42,20 @@ def kernel_args(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 class CpuBackend:
     name = "cpu"
+    graph_safe = True  # decode reads only the metadata's tensors
 
     def __init__(self, q_tile: int = 16, sdpa_prefill_min_len: int | None = None) -> None:
         self.q_tile = q_tile
         # prefill chunks with at least this many queries use gather + flash SDPA (None: never)
         self.sdpa_prefill_min_len = sdpa_prefill_min_len
-        load_extension()
+        load_kernel()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         return None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        ext = load_extension()
         kd, vd, scales = kernel_args(k_cache, v_cache)
-        ext.write_kv(k, v, kd, vd, meta.slot_mapping, block_size=meta.block_size, **scales)
+        torch.ops.pagedllm.write_kv.default(k, v, kd, vd, meta.slot_mapping, block_size=meta.block_size, **scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -89,9 +85,9 @@ class CpuBackend:
             v = qkv[:, (num_heads + Hkv) * D :].view(T, Hkv, D)
             return self.forward(q, k, v, k_cache, v_cache, meta, scale).reshape(T, num_heads * D)
         kd, vd, scales = kernel_args(k_cache, v_cache)
-        return load_extension().attend_qkv(qkv, num_heads, kd, vd, meta.slot_mapping, meta.block_tables,
-                                           meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
-                                           self.q_tile, **scales)
+        return torch.ops.pagedllm.attend_qkv.default(qkv, num_heads, kd, vd, meta.slot_mapping, meta.block_tables,
+                                             meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
+                                             self.q_tile, **scales)
 
     def _sdpa_chunks(self, q, k_cache, v_cache, out, meta, scale, first) -> None:
         group = q.shape[1] // k_cache.shape[0]
@@ -114,7 +110,7 @@ class CpuBackend:
     def _kernel(self, q, k_cache, v_cache, out, meta, scale, b, e) -> None:
         """The C++ kernel over sequences ``[b, e)`` of the batch."""
         kd, vd, scales = kernel_args(k_cache, v_cache)
-        load_extension().paged_attention_out(
+        torch.ops.pagedllm.paged_attention_out.default(
             out, q, kd, vd, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.block_size, float(scale), b, e, self.q_tile, **scales,
         )

@@ -142,6 +142,7 @@ def _kv_blocks_for_rows(tables, n_logical, m, e):
 
 class FlexBackend:
     name = "flex"
+    graph_safe = False  # prepare() builds the step's BlockMask from host-side lists
 
     def __init__(self, prefill_q_block: int = 32, min_kv_block: int = 16, group: int | None = None) -> None:
         self.prefill_q_block = prefill_q_block

@@ -30,6 +30,7 @@ def gather_sequence_kv(cache, block_table: torch.Tensor, seq_len: int, block_siz
 
 class ReferenceBackend:
     name = "reference"
+    graph_safe = False  # gathers each sequence's context by its host-side length
 
     def prepare(self, meta: AttentionMetadata) -> None:
         return None

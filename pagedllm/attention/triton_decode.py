@@ -23,6 +23,7 @@ from pagedllm.attention.triton_write import write_kv_fused
 from pagedllm.kv.kv_quant import QuantizedKV
 
 SPLITK_MIN_LEN = 1024  # decodes over contexts this long split their keys across programs (flash-decoding)
+SPLITK_MAX_SEQS = 64  # ... in batches of at most this many decodes (larger ones fill the GPU without splitting)
 
 if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
     import triton
@@ -58,6 +59,7 @@ def interpreted() -> bool:
 
 class TritonBackend:
     name = "triton"
+    graph_safe = True  # decode reads only the metadata's tensors
 
     def __init__(self, block_n: int = 64, splitk_min_len: int = SPLITK_MIN_LEN) -> None:
         if not HAS_TRITON:
@@ -86,8 +88,10 @@ class TritonBackend:
         Hkv = k_cache.shape[0]
         group = H // Hkv
         nd = meta.num_decodes
+        # launch grids from host-side values only: in a decode graph these are the bucket's size and the
+        # max_model_len bound (pagedllm.worker.cuda_graphs), so a captured grid fits every step it replays
         max_decode_len = max(meta.seq_lens_list[:nd], default=0)
-        if nd > 0 and max_decode_len >= self.splitk_min_len:
+        if 0 < nd <= SPLITK_MAX_SEQS and max_decode_len >= self.splitk_min_len:
             splitk_decode(q, k_cache, v_cache, out, meta.block_tables.to(q.device), meta.seq_lens.to(q.device), nd,
                           max_decode_len, meta.block_size, scale)
         elif nd > 0:

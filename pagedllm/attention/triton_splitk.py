@@ -14,6 +14,16 @@ import torch
 
 from pagedllm.attention.triton_common import HAS_TRITON, pad_pow2, pool_args
 
+MAX_SPLITS = 64  # partial results per (sequence, head) at most: their buffer is [decodes, H, splits, D] fp32
+
+
+def split_len(max_seq_len: int, split: int = 256) -> int:
+    """Keys per split: ``split``, doubled until ``MAX_SPLITS`` splits cover ``max_seq_len``. Bounds the partials'
+    memory (a decode graph sizes them by ``max_model_len``) with few distinct kernels (SPLIT is a constexpr)."""
+    while -(-max_seq_len // split) > MAX_SPLITS:
+        split *= 2
+    return split
+
 if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
     import triton
     import triton.language as tl
@@ -52,8 +62,10 @@ def splitk_decode(q: torch.Tensor, k_cache, v_cache, out: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int, max_seq_len: int,
                   block_size: int, scale: float, split: int = 256, block_n: int = 64) -> None:
     """Attention of the first ``num_decodes`` rows of ``q [T, H, D]`` (one query each) into ``out``; the pool
-    ``[Hkv, slots, D]`` is a float tensor or a :class:`~pagedllm.kv.kv_quant.QuantizedKV`."""
+    ``[Hkv, slots, D]`` is a float tensor or a :class:`~pagedllm.kv.kv_quant.QuantizedKV`. The grid depends on
+    ``num_decodes`` and ``max_seq_len`` only (read from the host), never on the lengths in ``seq_lens``."""
     H, D = q.shape[1], q.shape[2]
+    split = split_len(max_seq_len, split)
     Hkv = k_cache.shape[0]
     group = H // Hkv
     parts = triton.cdiv(max_seq_len, split)

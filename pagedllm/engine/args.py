@@ -62,6 +62,7 @@ class EngineArgs:
     batching: str = "continuous"
     attention_backend: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu; the model, KV cache and sampler live there
+    enforce_eager: bool = False  # vLLM's name: no CUDA graphs (decode steps are replayed from graphs on CUDA)
     distributed_executor_backend: str = "uni"  # uni: this process; mp: a child process; external_launcher: torchrun
     tensor_parallel_size: int = 1  # > 1: that many worker processes, each with a shard (gloo on CPU, NCCL on CUDA)
     check_integrity: bool = False  # run the pool integrity check after every step

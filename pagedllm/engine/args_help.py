@@ -31,6 +31,8 @@ ENGINE_FLAG_HELP = {
     "disaggregate": "prefill=P,decode=D: P replicas compute prompts, their KV moves to D replicas that generate",
     "seed": "random seed of the engine",
     "device": "where the model, KV cache and sampler live: auto (cuda when available, else cpu), cpu, cuda[:N]",
+    "enforce_eager": "run every step eagerly: no CUDA graphs (by default decode steps replay graphs captured per "
+                     "batch-size bucket, on CUDA with the triton backend)",
     "tensor_parallel_size": "shard the model over this many worker processes (torch.distributed: gloo on CPU, "
                             "NCCL on CUDA); each holds its share of every KV block",
     "distributed_executor_backend": "where the worker runs: uni (in the engine core's process), mp (a child process), "

@@ -5,15 +5,13 @@ Every op works on a flat batch of tokens ``[T, ...]`` from many sequences at onc
 
 from __future__ import annotations
 
-import functools
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm import native
+from pagedllm import ops
 from pagedllm.models.quant import QuantizedWeight, quantized_linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -30,22 +28,14 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-_GEMM_SRC = Path(__file__).with_name("csrc") / "gemm.cpp"
-
-
-@functools.cache
-def _gemm_kernel():
-    """The AVX2 fp32 GEMM (None where it can't be built, e.g. without AVX2: ATen is used then)."""
-    return native.try_load_extension("pagedllm_gemm", _GEMM_SRC)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None,
            upcast: bool = False) -> torch.Tensor:
     """``F.linear`` over a flat batch ``x [T, K]``.
 
     With ``upcast`` the weight is low precision and the math runs in fp32 on fp32 activations: on
     CPUs without native bf16 that is ~4x faster than a bf16 GEMM and more accurate. fp32 activations
-    on the CPU go to the C++ kernel (``csrc/gemm.cpp``) at every batch size: it streams the weights
+    on the CPU go to the C++ kernel (``ops/csrc/gemm.cpp``; ATen where it can't be built, e.g. without AVX2) at
+    every batch size: it streams the weights
     near memory bandwidth for decode steps and beats MKL and oneDNN by 10-40% on larger batches here
     (2-core EPYC, AVX2). GGUF block weights: see ``models/quant.py``.
     """
@@ -53,21 +43,11 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
         return quantized_linear(x, w, b)
     if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()
             and w.dtype in (torch.float32, torch.bfloat16) and x.shape[1] % 8 == 0 and w.is_contiguous()):
-        kernel = _gemm_kernel()
-        if kernel is not None:
-            return kernel.linear(x, w, b)
+        if ops.load("gemm"):
+            return torch.ops.pagedllm.linear.default(x, w, b)
     if not upcast:
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
-
-
-_FUSED_SRC = Path(__file__).with_name("csrc") / "fused_ops.cpp"
-
-
-@functools.cache
-def _fused_kernel():
-    """The C++ norm / rotary / gated-activation ops (None where they can't be built: ATen is used then)."""
-    return native.try_load_extension("pagedllm_fused_ops", _FUSED_SRC)
 
 
 def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -86,9 +66,8 @@ def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     of the per-op overhead of a batch-1 decode step. Anything else goes through :func:`rms_norm`.
     """
     if h.dim() == 2 and weight.dim() == 1 and _fp32_cpu(h, weight, delta):
-        kernel = _fused_kernel()
-        if kernel is not None:
-            return kernel.add_rms_norm_(h, delta, weight, eps)
+        if ops.load("fused_ops"):
+            return torch.ops.pagedllm.add_rms_norm.default(h, delta, weight, eps)
     if delta is not None:
         h.add_(delta)
     return rms_norm(h, weight, eps)
@@ -97,9 +76,8 @@ def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up output ``[T, 2I]`` (gate first); one C++ op for fp32 on CPU."""
     if gate_up.dim() == 2 and _fp32_cpu(gate_up):
-        kernel = _fused_kernel()
-        if kernel is not None:
-            return kernel.silu_mul(gate_up)
+        if ops.load("fused_ops"):
+            return torch.ops.pagedllm.silu_mul.default(gate_up)
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
@@ -159,9 +137,8 @@ def apply_rope_heads_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: t
     """Rotate the first ``num_heads`` heads of each row of a fused projection output ``x [T, W]`` in place
     (the q and k heads of qkv); one C++ op for fp32 on CPU, without building head views."""
     if x.dim() == 2 and _fp32_cpu(x, cos, sin):
-        kernel = _fused_kernel()
-        if kernel is not None:
-            kernel.rope_(x, cos, sin, num_heads)
+        if ops.load("fused_ops"):
+            torch.ops.pagedllm.rope.default(x, cos, sin, num_heads)
             return
     d = 2 * cos.shape[-1]
     apply_rope_(x[:, : num_heads * d].view(x.shape[0], num_heads, d), cos, sin)
@@ -176,9 +153,8 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """
     if (x.dim() == 3 and x.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1 and x.stride(1) == x.shape[2]
             and _fp32_cpu(cos, sin)):
-        kernel = _fused_kernel()
-        if kernel is not None:
-            kernel.rope_(x, cos, sin)
+        if ops.load("fused_ops"):
+            torch.ops.pagedllm.rope.default(x, cos, sin)
             return
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

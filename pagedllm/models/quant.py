@@ -2,26 +2,24 @@
 
 The embedded SmolLM2 GGUF stores its layer matrices as Q4_1 (5 bits per weight) and its embedding
 as Q8_0 (8.5 bits): 96 MB instead of 540 MB of fp32. Decoding is a stream over the weights, so
-reading the blocks and widening them in the kernel (``csrc/gemm.cpp``) instead of reading
+reading the blocks and widening them in the kernel (``ops/csrc/gemm.cpp``) instead of reading
 fp32 makes the few-row GEMMs of decode steps faster. The kernel dequantizes to exactly the fp32
 values the loader's ``gguf.quants.dequantize`` produces and runs the fp32 path's register tiles on
 them, so outputs are bit-identical to the fp32 model at every batch size.
 
 ``quantization="gguf-a8"`` trades that exactness for speed the way llama.cpp (and vLLM's GGUF kernels)
 do: activations are rounded to int8 per 32-value block and the dot products run on integer SIMD
-(``csrc/quant_a8.cpp``), 4x the multiply-adds per instruction of fp32 FMAs. Outputs then differ from
+(``ops/csrc/quant_a8.cpp``), 4x the multiply-adds per instruction of fp32 FMAs. Outputs then differ from
 the fp32 model by the activation rounding (~0.5% per output; perplexity within ~1%).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from pagedllm import native
+from pagedllm import ops
 
 # ggml type ids of the block formats the kernel reads, and their bytes per 32-weight block
 BLOCK_BYTES = {3: 20, 8: 34}  # Q4_1, Q8_0
@@ -97,7 +95,8 @@ class QuantizedWeight:
         if self.packed:
             raise ValueError("a packed (gguf-a8) matrix has no block rows to dequantize; keep the unpacked one")
         data = self.data if rows is None else self.data.index_select(0, rows)
-        return kernel().dequantize(data, self.qtype, self.shape[1])
+        require_kernel()
+        return torch.ops.pagedllm.dequantize.default(data, self.qtype, self.shape[1])
 
     def pack_a8(self) -> "QuantizedWeight":
         """This matrix in the gguf-a8 kernel's layout, for ``int8_activations`` GEMMs: packing once at load
@@ -105,10 +104,10 @@ class QuantizedWeight:
         dot products). A new weight; drop this one unless its rows are still needed (embedding lookups)."""
         if self.packed:
             return self
-        k = a8_kernel()
-        if k is None:
+        if not kernel_available(int8_activations=True):
             raise RuntimeError("gguf-a8 needs its C++ kernel (g++ with OpenMP, an AVX2 CPU)")
-        return replace(self, data=k.pack_a8(self.data, self.qtype), int8_activations=True, packed=True)
+        packed = torch.ops.pagedllm.pack_a8.default(self.data, self.qtype)
+        return replace(self, data=packed, int8_activations=True, packed=True)
 
 
 def save_blocks(blocks: dict[str, QuantizedWeight], path: str) -> None:
@@ -134,31 +133,16 @@ def load_blocks(path: str) -> dict[str, QuantizedWeight]:
     return out
 
 
-_A8_SRC = Path(__file__).with_name("csrc") / "quant_a8.cpp"
-
-
-@functools.cache
-def a8_kernel():
-    """The int8-activation GEMM of ``quantization="gguf-a8"`` (None where it can't be built)."""
-    return native.try_load_extension("pagedllm_quant_a8", _A8_SRC)
-
-
 def kernel_available(int8_activations: bool = False) -> bool:
     """Whether the block kernel (or, with ``int8_activations``, the int8 one) builds on this machine."""
-    from pagedllm.models.layers import _gemm_kernel
-
-    return (a8_kernel() if int8_activations else _gemm_kernel()) is not None
+    return ops.load("quant_a8" if int8_activations else "gemm")
 
 
-def kernel():
-    """The compiled kernel; RuntimeError with the way out when it can't be built."""
-    from pagedllm.models.layers import _gemm_kernel
-
-    k = _gemm_kernel()
-    if k is None:
+def require_kernel() -> None:
+    """RuntimeError with the way out when the block kernel can't be built."""
+    if not ops.load("gemm"):
         raise RuntimeError("quantization='gguf' needs the C++ kernels (g++ with OpenMP and an AVX2 CPU); "
                            "use quantization='none'")
-    return k
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None) -> torch.Tensor:
@@ -166,6 +150,7 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None
     x = x.float().contiguous()
     if w.int8_activations:
         if w.packed:
-            return a8_kernel().linear_a8_packed(x, w.data, w.qtype, w.shape[0], b)
-        return a8_kernel().linear_a8(x, w.data, w.qtype, b)
-    return kernel().quant_linear(x, w.data, w.qtype, b)
+            return torch.ops.pagedllm.linear_a8_packed.default(x, w.data, w.qtype, w.shape[0], b)
+        return torch.ops.pagedllm.linear_a8.default(x, w.data, w.qtype, b)
+    require_kernel()
+    return torch.ops.pagedllm.quant_linear.default(x, w.data, w.qtype, b)

@@ -18,6 +18,7 @@ from pagedllm.kv.kv_quant import resolve_kv_cache_dtype
 from pagedllm.model_runner import ModelRunner
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
+from pagedllm.worker import cuda_graphs
 from pagedllm.worker.input_batch import InputBatch, make_generator
 from pagedllm.worker.sampler import Sampler, SamplingBatch
 from pagedllm.worker.spec_verify import verify_drafts
@@ -96,6 +97,9 @@ class Worker:
         backend = backend_for(self.device, args.attention_backend)
         self.runner = ModelRunner(model, self.kv_cache, get_backend(backend))
         max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
+        if self.graphs is not None:
+            num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
         self.batch = InputBatch(max_model_len, args.block_size, cfg.vocab_size, self.device)
         self.sampler = Sampler(eos)
         self._pending_generators: dict[tuple[int, int], torch.Generator | None] = {}
@@ -106,6 +110,26 @@ class Worker:
     @property
     def model(self) -> LlamaForCausalLM:
         return self.runner.model
+
+    def _decode_graphs(self, args: EngineArgs, tp, kv_dtype: torch.dtype,
+                       max_model_len: int) -> cuda_graphs.DecodeGraphs | None:
+        """Graphs for decode steps (captured now) where they apply: a device that captures them (CUDA), not
+        ``enforce_eager``, a backend whose decode is capturable, one rank (all-reduces inside graphs are not
+        set up), a pool whose writes don't wait on the host (int8's block-scale update does) and a spare block."""
+        capture = None if args.enforce_eager else cuda_graphs.graph_capture(self.device)
+        if capture is None:
+            return None
+        reasons = [why for why, bad in (
+            (f"the {self.runner.backend.name!r} backend", not getattr(self.runner.backend, "graph_safe", False)),
+            ("tensor parallelism", tp is not None), ("an int8 KV cache", kv_dtype == torch.int8),
+            ("a one-block pool", self.kv_cache.num_blocks < 2)) if bad]
+        if reasons:
+            log.info("decode steps run eagerly (no CUDA graphs) with %s", ", ".join(reasons))
+            return None
+        graphs = cuda_graphs.DecodeGraphs(self.runner, args.max_num_seqs, max_model_len,
+                                          scratch_block=self.kv_cache.num_blocks - 1, capture=capture)
+        graphs.capture_all()
+        return graphs
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
@@ -133,7 +157,8 @@ class Worker:
         if not so.scheduled:
             return ModelRunnerOutput()
         inp = batch.prepare(so.scheduled, rows)
-        hidden = self.runner.forward(inp.input_ids, inp.meta)
+        forward = self.runner.forward if self.graphs is None else self.graphs.forward
+        hidden = forward(inp.input_ids, inp.meta)
         return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
 
     def _outputs(self, so: SchedulerOutput, rows: list[int], order: list[int], qsl: list[int],

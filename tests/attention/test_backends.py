@@ -98,7 +98,6 @@ def test_cpu_q_tiles(cpu_backend):
 def test_cpu_write_kv_takes_qkv_views_and_checks_slots(cpu_backend, cache_dtype):
     """The kernel's K/V scatter reads the k/v heads straight out of a fused qkv output and rounds like
     ``Tensor.to``; a slot outside the pool is an error, not a stray write."""
-    from pagedllm.attention.cpu import load_extension
     from pagedllm.attention.metadata import write_kv
 
     qkv = torch.randn(5, (4 + 2 + 2) * 16)
@@ -107,10 +106,10 @@ def test_cpu_write_kv_takes_qkv_views_and_checks_slots(cpu_backend, cache_dtype)
     want = [torch.zeros(2, 32, 16, dtype=cache_dtype) for _ in range(2)]
     write_kv(k, v, *want, slots)
     got = [torch.zeros(2, 32, 16, dtype=cache_dtype) for _ in range(2)]
-    load_extension().write_kv(k, v, *got, slots)
+    torch.ops.pagedllm.write_kv(k, v, *got, slots)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(RuntimeError, match="outside the pool"):
-        load_extension().write_kv(k, v, *got, torch.tensor([7, 0, 32, 12, 3]))
+        torch.ops.pagedllm.write_kv(k, v, *got, torch.tensor([7, 0, 32, 12, 3]))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -127,14 +126,8 @@ def test_cpu_forward_qkv_equals_forward_on_views(cpu_backend, case, cache_dtype)
     got = cpu_backend.forward_qkv(qkv, H, kc2, vc2, b.meta, b.scale)
     assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
     with pytest.raises(RuntimeError, match="columns"):
-        load_extension_().attend_qkv(qkv, H + 1, kc2, vc2, b.meta.slot_mapping, b.meta.block_tables,
+        torch.ops.pagedllm.attend_qkv(qkv, H + 1, kc2, vc2, b.meta.slot_mapping, b.meta.block_tables,
                                      b.meta.seq_lens, b.meta.query_start_loc, b.meta.block_size, b.scale, 16)
-
-
-def load_extension_():
-    from pagedllm.attention.cpu import load_extension
-
-    return load_extension()
 
 
 def test_cpu_shared_blocks(cpu_backend):

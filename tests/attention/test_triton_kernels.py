@@ -38,6 +38,23 @@ def test_triton_matches_reference(case, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def test_splitk_caps_its_splits_and_sizes_its_grid_from_the_bound():
+    """Split-K sized by an upper bound on the lengths (what a decode graph passes: max_model_len) computes the
+    same attention; past MAX_SPLITS splits the split length doubles (bounded partials, few kernel variants)."""
+    from pagedllm.attention.triton_splitk import MAX_SPLITS, split_len, splitk_decode
+
+    assert split_len(1000) == 256 and split_len(MAX_SPLITS * 256) == 256 and split_len(MAX_SPLITS * 256 + 1) == 512
+    b = make_random_batch([1, 1], [100, 45], num_kv_heads=1, group=2, head_dim=16)
+    want = ReferenceBackend().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta, b.scale)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    ReferenceBackend().forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale)  # the step's K/V in the pool
+    got = torch.empty_like(b.q)
+    bound = 4 * MAX_SPLITS  # split 2 would need 2 * MAX_SPLITS splits: doubled to 4
+    splitk_decode(b.q, kc, vc, got, b.meta.block_tables, b.meta.seq_lens, 2, bound, b.meta.block_size, b.scale,
+                  split=2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_engine_with_triton_equals_reference(tiny_model_dir, kv_cache_dtype):
     """Greedy tokens identical to the reference backend's, on a float pool and on an int8 one (both backends

@@ -1,4 +1,5 @@
-"""The fused C++ norm / rotary / activation ops against ATen, and their ATen fallback (bf16)."""
+"""The fused C++ norm / rotary / activation ops (``torch.ops.pagedllm``) against ATen, and their ATen fallback
+(bf16)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm import ops
 from pagedllm.models import layers
 from pagedllm.models.layers import add_rms_norm_, apply_rope_, silu_mul
 
-pytestmark = pytest.mark.skipif(layers._fused_kernel() is None, reason="the fused C++ ops can't be built here")
+pytestmark = pytest.mark.skipif(not ops.load("fused_ops"), reason="the fused C++ ops can't be built here")
 
 ROWS = (1, 3, 65, 200)
 
@@ -29,7 +31,7 @@ def test_add_rms_norm(T: int, E: int, with_delta: bool) -> None:
     h, d, w = torch.randn(T, E, generator=g), torch.randn(T, E, generator=g), torch.randn(E, generator=g)
     ref_h = h + d if with_delta else h.clone()
     ref = F.rms_norm(ref_h, (E,), w, 1e-5)
-    got = layers._fused_kernel().add_rms_norm_(h, d if with_delta else None, w, 1e-5)
+    got = torch.ops.pagedllm.add_rms_norm(h, d if with_delta else None, w, 1e-5)
     assert torch.equal(h, ref_h)  # the residual add is exact and in place
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
@@ -39,7 +41,7 @@ def test_add_rms_norm(T: int, E: int, with_delta: bool) -> None:
 def test_silu_mul(T: int, I: int) -> None:
     gate_up = 4 * torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(T + I))
     ref = F.silu(gate_up[:, :I]) * gate_up[:, I:]
-    torch.testing.assert_close(layers._fused_kernel().silu_mul(gate_up), ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.ops.pagedllm.silu_mul(gate_up), ref, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("T", ROWS)
@@ -51,7 +53,7 @@ def test_rope_in_qkv_view(T: int) -> None:
     cos, sin = torch.randn(T, D // 2, generator=g), torch.randn(T, D // 2, generator=g)
     qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
     ref, v = _rope_ref(qk, cos, sin), qkv[:, (H + Hkv) * D :].clone()
-    layers._fused_kernel().rope_(qk, cos, sin)
+    torch.ops.pagedllm.rope(qk, cos, sin)
     torch.testing.assert_close(qk, ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, (H + Hkv) * D :], v)
 
@@ -69,7 +71,7 @@ def test_rope_on_fused_rows(T: int) -> None:
     layers.apply_rope_heads_(qkv, H + Hkv, cos, sin)
     assert torch.equal(qkv, want)
     with pytest.raises(RuntimeError, match="num_heads"):
-        layers._fused_kernel().rope_(qkv, cos, sin, H + 2 * Hkv + 1)
+        torch.ops.pagedllm.rope(qkv, cos, sin, H + 2 * Hkv + 1)
 
 
 def test_wrappers_fall_back_to_aten_for_bf16() -> None:

@@ -1,12 +1,13 @@
-"""The fp32 GEMM behind ``layers.linear`` (``csrc/gemm.cpp``) matches ``F.linear`` on both of its paths."""
+"""The fp32 GEMM behind ``layers.linear`` (``ops/csrc/gemm.cpp``) matches ``F.linear`` on both of its paths."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm import ops
 from pagedllm.models import layers
 
-kernel = layers._gemm_kernel()
+kernel = torch.ops.pagedllm if ops.load("gemm") else None
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the AVX2 C++ kernel could not be built on this machine")
 
 
@@ -38,14 +39,13 @@ def test_panel_rows_do_not_depend_on_the_batch_around_them():
 @needs_kernel
 def test_linear_sends_fp32_cpu_batches_of_every_size_to_the_kernel(monkeypatch):
     calls = []
-    real = kernel.linear
+    real = kernel.linear.default
 
-    class Spy:
-        def linear(self, *a):
-            calls.append(a[0].shape[0])
-            return real(*a)
+    def spy(*a):
+        calls.append(a[0].shape[0])
+        return real(*a)
 
-    monkeypatch.setattr(layers, "_gemm_kernel", lambda: Spy())
+    monkeypatch.setattr(torch.ops.pagedllm.linear, "default", spy)
     w, b = torch.randn(64, 32), torch.randn(64)
     for rows in (1, 16, 300):
         x = torch.randn(rows, 32)

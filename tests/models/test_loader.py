@@ -16,8 +16,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pagedllm.models import Checkpoint, default_model_path, load_checkpoint, loader
 from pagedllm.models.gguf_reader import read_gguf
-from pagedllm.models.layers import _gemm_kernel
-from pagedllm.models.quant import load_blocks
+from pagedllm.models.quant import kernel_available, load_blocks
 
 SENTENCES = [
     "Hello world, it's me.",
@@ -191,7 +190,7 @@ def test_cached_smollm2_load_is_fast(smollm2: Checkpoint) -> None:
     assert elapsed < 15, f"cached load took {elapsed:.1f}s (conversion takes ~20 s)"
 
 
-@pytest.mark.skipif(_gemm_kernel() is None, reason="the AVX2 C++ kernel could not be built on this machine")
+@pytest.mark.skipif(not kernel_available(), reason="the AVX2 C++ kernel could not be built on this machine")
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0], ids=str)
 def test_gguf_blocks_are_the_dequantized_matrices_in_hf_row_order(tmp_path: Path, qtype) -> None:
     path = _write_tiny_gguf(tmp_path / "tiny.gguf", "llama", _tiny_hf_state("llama"), qtype)

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
+from pagedllm import ops
 from pagedllm.models import layers
 from pagedllm.models.quant import QuantizedWeight, kernel_available
 
-kernel = layers._gemm_kernel()
+kernel = torch.ops.pagedllm if ops.load("gemm") else None
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the AVX2 C++ kernel could not be built on this machine")
 needs_a8 = pytest.mark.skipif(not kernel_available(int8_activations=True),
                               reason="the int8 (AVX2) kernel could not be built on this machine")

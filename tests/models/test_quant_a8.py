@@ -1,8 +1,6 @@
-"""The approximate W4A8/W8A8 GEMM (``csrc/quant_a8.cpp``): activations quantized to int8 per 32-block,
+"""The approximate W4A8/W8A8 GEMM (``ops/csrc/quant_a8.cpp``): activations quantized to int8 per 32-block,
 integer dot products against GGUF Q4_1/Q8_0 blocks. It must compute exactly its stated formula on the
 quantized values (checked against a float64 reference) and stay close to the true fp32 product."""
-
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -10,10 +8,9 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from pagedllm import native
+from pagedllm import ops
 
-SRC = Path(__file__).resolve().parents[2] / "pagedllm" / "models" / "csrc" / "quant_a8.cpp"
-kernel = native.try_load_extension("pagedllm_quant_a8", SRC)
+kernel = torch.ops.pagedllm if ops.load("quant_a8") else None
 pytestmark = pytest.mark.skipif(kernel is None, reason="the AVX2 C++ kernel quant_a8.cpp could not be built here")
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 

@@ -5,10 +5,8 @@
 // op here is one call that touches every element once.  The arithmetic follows ATen's (fp32, the same
 // operation order; expf is the SLEEF u1.0 routine ATen's own silu uses); only the RMSNorm sum of squares
 // is summed in another order.  Rows are split over threads only for large batches (prefill).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops_common.h"
 
-#include <immintrin.h>
 #include <sleef.h>
 
 #include <algorithm>
@@ -20,18 +18,13 @@
 
 namespace {
 
+using namespace pagedllm_ops;
+
 // Each thread gets at least this many elements (so decode steps run on the calling thread alone): below
 // it, waking the pool costs more than it saves.
 constexpr int64_t kGrainElems = 1 << 15;
 
 int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 void check_f32_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
@@ -54,7 +47,7 @@ void add_rms_norm_row(float* __restrict h, const float* __restrict d, const floa
     acc0 = _mm256_fmadd_ps(a, a, acc0);
     acc1 = _mm256_fmadd_ps(b, b, acc1);
   }
-  float ss = hsum(_mm256_add_ps(acc0, acc1));
+  float ss = hsum8(_mm256_add_ps(acc0, acc1));
   for (; e < E; ++e) {
     if (HasDelta) h[e] += d[e];
     ss += h[e] * h[e];
@@ -74,7 +67,7 @@ inline __m256 silu_mul8(__m256 g, __m256 u) {
 
 // h: [T, E] (updated in place: h += delta), delta: None or [T, E], weight: [E]; all float32 contiguous.
 // Returns rms_norm(h) * weight [T, E].
-torch::Tensor add_rms_norm_(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+torch::Tensor add_rms_norm(torch::Tensor h, std::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
   check_f32_cpu(h, "h");
   check_f32_cpu(weight, "weight");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [T, E] tensor");
@@ -91,7 +84,6 @@ torch::Tensor add_rms_norm_(torch::Tensor h, c10::optional<torch::Tensor> delta,
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float ep = static_cast<float>(eps);
-  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, T, grain_rows(E), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (has_delta)
@@ -107,7 +99,7 @@ torch::Tensor add_rms_norm_(torch::Tensor h, c10::optional<torch::Tensor> delta,
 // by cos, sin [T, D/2] (contiguous float32). x may be a row-strided view (the q and k heads of a fused
 // qkv output) but each row's heads must be contiguous. Or x is the fused output [T, W] itself and the first
 // num_heads heads of D = 2 cos.size(1) of each row are rotated (no views to build at batch 1).
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads) {
+void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads) {
   check_f32_cpu(x, "x");
   check_f32_cpu(cos, "cos");
   check_f32_cpu(sin, "sin");
@@ -126,7 +118,6 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_he
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, T, grain_rows(N * 2 * half), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict c = cp + t * half;
@@ -153,7 +144,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto y = torch::empty({T, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
   at::parallel_for(0, T, grain_rows(I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = gp + t * 2 * I;
@@ -174,10 +164,18 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm_", &add_rms_norm_, "h += delta (in place); returns rms_norm(h) * weight");
-  m.def("rope_", &rope_, "rotary embedding (rotate-half) in place on x [T, N, D], or on the first num_heads heads "
-        "of each row of x [T, W]", pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
-        pybind11::arg("num_heads") = -1);
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output");
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.set_python_module("pagedllm.ops.fake");
+  // h += delta (in place); returns rms_norm(h) * weight
+  m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  // rotary embedding (rotate-half) in place on x [T, N, D], or on the first num_heads heads of each row of x [T, W]
+  m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads=-1) -> ()");
+  // silu(gate) * up of a fused [T, 2I] gate/up output
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
 }

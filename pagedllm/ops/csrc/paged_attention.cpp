@@ -13,7 +13,7 @@
 // score / P@V blocks as fp32, except int8: its codes are converted in registers inside those blocks, and the
 // block's scale multiplies each key's score and each value's softmax weight (4x fewer bytes read than fp32, and
 // no float copy written and read back). The write path quantizes the step's new rows (same bits as Python's).
-#include <torch/extension.h>
+#include "ops_common.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -33,6 +33,8 @@
 #endif
 
 namespace {
+
+using namespace pagedllm_ops;  // load8, hsum8, hmax8
 
 // ---- quantized rows: code -> float, with the row's scale -------------------------------------------
 enum class KvFormat { Int8, E4M3, E5M2 };
@@ -104,23 +106,13 @@ constexpr int64_t CHUNK = 64;
 // dot product / the softmax weight instead, so an int8 row is converted in registers, never stored as floats).
 inline float elem(const float* p, int64_t d) { return p[d]; }
 inline float elem(const int8_t* p, int64_t d) { return static_cast<float>(p[d]); }
-#ifdef __AVX2__
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-#endif
 
 inline void row_to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void row_to_float(const at::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   int64_t d = 0;
 #ifdef __AVX2__
-  for (; d + 8 <= n; d += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d));
-    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(w));
-  }
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
 #endif
   for (; d < n; ++d) {
     uint32_t u = static_cast<uint32_t>(s[d]) << 16;
@@ -150,18 +142,6 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
 // the four horizontal sums of a0..a3, in order
@@ -496,7 +476,6 @@ void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
   }
   if (items.empty()) return;
   const int64_t max_rows = q_tile * group;
-  pybind11::gil_scoped_release no_gil;
   const bool q_f = q.scalar_type() == at::kFloat;
   TORCH_CHECK(q_f || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   auto run_kv = [&](auto kvdummy) {
@@ -644,7 +623,6 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
                   slot_mapping.numel() == k.size(0), "slot_mapping must be int64 [T]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const Scales ksc = scales_of(k_scale, k_cache), vsc = scales_of(v_scale, v_cache);
-  pybind11::gil_scoped_release no_gil;
   if (quantized && k.scalar_type() == at::kFloat) {
     write_quantized<float>(k, k_cache, ksc, slots, block_size);
     write_quantized<float>(v, v_cache, vsc, slots, block_size);
@@ -683,18 +661,22 @@ torch::Tensor attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::Tensor k_c
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  m.def("paged_attention_out", &paged_attention_out, "paged attention over the block pool (in place)",
-        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"),
-        py::arg("seq_begin"), py::arg("seq_end"), py::arg("q_tile"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
-  m.def("write_kv", &write_kv, "scatter new K/V rows into the pool slots (quantizing for int8 / fp8 pools)",
-        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("block_size") = 0);
-  m.def("attend_qkv", &attend_qkv, "write K/V of a fused qkv output into the pool and attend: [T, H * D]",
-        py::arg("qkv"), py::arg("num_heads"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"),
-        py::arg("scale"), py::arg("q_tile"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+// Schemas: what each op mutates is declared (Tensor(a!)), so torch.compile functionalizes the calls; the fake
+// (shape-only) implementations are in pagedllm/ops/fake.py.
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.set_python_module("pagedllm.ops.fake");
+  m.def("paged_attention_out(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, int block_size, float scale, int seq_begin, int seq_end, "
+        "int q_tile, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None, int block_size=0) -> ()");
+  m.def("attend_qkv(Tensor qkv, int num_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, float scale, int q_tile, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("paged_attention_out", &paged_attention_out);
+  m.impl("write_kv", &write_kv);
+  m.impl("attend_qkv", &attend_qkv);
 }

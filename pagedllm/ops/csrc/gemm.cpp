@@ -10,10 +10,8 @@
 // - From PANEL_MIN_ROWS rows up: 16 rows of W at a time are transposed into a K-major panel and 6 x 16 tiles
 //   of y accumulate in registers (outer products, no horizontal sums): 115-145 GFLOP/s on the EPYC against
 //   80-100 for the dot-product tiles and 90-125 for oneDNN / MKL at every batch size up to 1024 rows.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops_common.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -23,18 +21,7 @@
 
 namespace {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using namespace pagedllm_ops;  // load8, hsum8, the GGUF blocks
 
 // MR rows of x against NR rows of W; K is a multiple of 8.
 template <typename WT, int MR, int NR>
@@ -51,27 +38,15 @@ inline void tile(const float* x, int64_t K, const WT* w, float* y, int64_t ldy, 
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum(acc[i][j]) + (bias ? bias[j] : 0.f);
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]) + (bias ? bias[j] : 0.f);
 }
-
-// GGUF blocks of 32 weights (ggml's layout; ids are ggml's type numbers).
-struct BlockQ4_1 {  // w = d * q + m; byte j holds q of weight j (low nibble) and of weight j + 16 (high)
-  static constexpr int kType = 3;
-  uint16_t d, m;
-  uint8_t qs[16];
-};
-struct BlockQ8_0 {  // w = d * q
-  static constexpr int kType = 8;
-  uint16_t d;
-  int8_t qs[32];
-};
-static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml block sizes");
 
 // A block's 32 weights as 4 vectors in k order. d * q is exact in fp32 (11-bit d times a <= 8-bit q), so
 // fma(q, d, m) rounds like numpy's d * q + m: exactly gguf's dequantized values.
 // (d and m are converted by one vcvtph2ps, and the bytes widened straight from memory: ~20% faster at one row
-// than a conversion per scale and a shift of the loaded 16 bytes.)
-inline void block_vectors(const BlockQ4_1& b, __m256 v[4]) {
+// than a conversion per scale and a shift of the loaded 16 bytes. Forced inline: GCC called it out of line once
+// the block types moved to the shared header, 20% slower at one row.)
+[[gnu::always_inline]] inline void block_vectors(const BlockQ4_1& b, __m256 v[4]) {
   const __m128 dm = _mm_cvtph_ps(_mm_loadu_si32(&b));  // d, m
   const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
   const __m256i mask = _mm256_set1_epi32(0x0F);
@@ -82,7 +57,7 @@ inline void block_vectors(const BlockQ4_1& b, __m256 v[4]) {
   }
 }
 
-inline void block_vectors(const BlockQ8_0& b, __m256 v[4]) {
+[[gnu::always_inline]] inline void block_vectors(const BlockQ8_0& b, __m256 v[4]) {
   const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d));
   for (int i = 0; i < 4; ++i) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * i));
@@ -126,7 +101,7 @@ inline void block_tile(const float* x, int64_t K, const B* w, float* y, int64_t 
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum(acc[i][j]) + (bias ? bias[j] : 0.f);
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum8(acc[i][j]) + (bias ? bias[j] : 0.f);
 }
 
 template <typename B>
@@ -336,26 +311,10 @@ void dispatch(const float* x, const WT* w, const float* bias, float* y, int64_t 
     run<WT, 4>(x, w, bias, y, M, N, K);
 }
 
-const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& holder) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  holder = bias->to(at::kFloat).contiguous();
-  TORCH_CHECK(holder.numel() == N, "bias must have N elements");
-  return holder.data_ptr<float>();
-}
-
-int64_t check_quant(const torch::Tensor& wq, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == BlockQ4_1::kType || qtype == BlockQ8_0::kType, "qtype must be Q4_1 (3) or Q8_0 (8)");
-  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(), "wq must be contiguous uint8 [N, bytes]");
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  const int64_t block_bytes = qtype == BlockQ4_1::kType ? sizeof(BlockQ4_1) : sizeof(BlockQ8_0);
-  TORCH_CHECK(wq.size(1) == K / 32 * block_bytes, "wq rows must hold K / 32 blocks");
-  return wq.size(0);
-}
-
 }  // namespace
 
 // x: [M, K] float32 contiguous; w: [N, K] float32 or bfloat16 contiguous; bias: None or [N] float32.
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes must be [M, K] and [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
@@ -365,7 +324,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   torch::Tensor b;
   const float* bp = bias_ptr(bias, N, b);
   auto y = torch::empty({M, N}, x.options());
-  pybind11::gil_scoped_release no_gil;
   if (w.scalar_type() == at::kFloat)
     dispatch<float>(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);
   else
@@ -374,13 +332,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 }
 
 // x: [M, K] float32 contiguous; wq: [N, K / 32 * block bytes] uint8 rows of GGUF blocks of type qtype.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t qtype, c10::optional<torch::Tensor> bias) {
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t qtype, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = check_quant(wq, qtype, K);
+  const int64_t M = x.size(0), K = x.size(1), N = check_blocks(wq, qtype, K);
   torch::Tensor b;
   const float* bp = bias_ptr(bias, N, b);
   auto y = torch::empty({M, N}, x.options());
-  pybind11::gil_scoped_release no_gil;
   if (qtype == BlockQ4_1::kType)
     dispatch(x.data_ptr<float>(), reinterpret_cast<const BlockQ4_1*>(wq.data_ptr<uint8_t>()), bp,
                    y.data_ptr<float>(), M, N, K);
@@ -392,11 +349,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t qtype, c10
 
 // The fp32 matrix [N, K] of GGUF rows (embedding lookups; tests).
 torch::Tensor dequantize(torch::Tensor wq, int64_t qtype, int64_t K) {
-  const int64_t N = check_quant(wq, qtype, K);
+  const int64_t N = check_blocks(wq, qtype, K);
   auto out = torch::empty({N, K}, wq.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const uint8_t* w = wq.data_ptr<uint8_t>();
-  pybind11::gil_scoped_release no_gil;
   const int64_t chunk = 64;  // rows per task
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
   for (int64_t r = 0; r < N; r += chunk) {
@@ -409,8 +365,15 @@ torch::Tensor dequantize(torch::Tensor wq, int64_t qtype, int64_t K) {
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x @ w.T (+ bias), w float32 or bfloat16");
-  m.def("quant_linear", &quant_linear, "x @ w.T (+ bias), w in GGUF Q4_1/Q8_0 blocks");
-  m.def("dequantize", &dequantize, "GGUF Q4_1/Q8_0 rows -> float32 [N, K] (embedding lookups)");
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.set_python_module("pagedllm.ops.fake");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");  // x @ w.T (+ bias), w float32 or bfloat16
+  m.def("quant_linear(Tensor x, Tensor wq, int qtype, Tensor? bias=None) -> Tensor");  // w in GGUF Q4_1/Q8_0 blocks
+  m.def("dequantize(Tensor wq, int qtype, int K) -> Tensor");  // GGUF rows -> float32 [N, K] (embedding lookups)
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("quant_linear", &quant_linear);
+  m.impl("dequantize", &dequantize);
 }

@@ -22,10 +22,8 @@
 // L1-resident group and W is streamed once.
 // linear_a8 repacks W on every call; the model calls linear_a8_packed on W packed once at load (pack_a8,
 // layout further down), which halves a decode step's GEMM time.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "ops_common.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -38,24 +36,13 @@
 
 namespace {
 
-constexpr int kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
-constexpr int64_t kQ4Bytes = 20, kQ8Bytes = 34;  // fp16 d, fp16 m, 16 nibble bytes | fp16 d, 32 int8
+using namespace pagedllm_ops;  // hsum8, hmax8, the GGUF blocks and their checks
+
+constexpr int kQ4_1 = BlockQ4_1::kType, kQ8_0 = BlockQ8_0::kType;
+constexpr int64_t kQ4Bytes = sizeof(BlockQ4_1), kQ8Bytes = sizeof(BlockQ8_0);
 // panel bytes per group of 8 rows and per block
 constexpr int64_t kPanelQ4 = 8 * 32 + 2 * 32;   // 8 nibble vectors, d, m
 constexpr int64_t kPanelQ8 = 16 * 32 + 32;      // 8 lo + 8 hi nibble vectors, d
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The quantized activations: q [M, K] int8, and per (row, block) d, the fp32 sum s, and sum q.
 struct QX {
@@ -74,9 +61,9 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
     const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    const float a = hmax(amax), db = a / 127.f;
+    const float a = hmax8(amax), db = a / 127.f;
     d[b] = db;
-    s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    s[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     if (db == 0.f) {  // an all-zero block (or denormals): q = 0
       std::memset(q + 32 * b, 0, 32);
       c[b] = 0;
@@ -92,7 +79,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
     }
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(p, perm));
-    c[b] = static_cast<int32_t>(hsum(qs));  // exact: small integers
+    c[b] = static_cast<int32_t>(hsum8(qs));  // exact: small integers
   }
 }
 
@@ -653,10 +640,6 @@ int64_t packed_row_bytes(int64_t qtype, int64_t K) {
   return K / 32 * (qtype == kQ4_1 ? KernP<kQ4_1>::kBlock : KernP<kQ8_0>::kBlock);
 }
 
-void check_qtype(int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "qtype must be Q4_1 (3) or Q8_0 (8), got ", qtype);
-}
-
 void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -667,7 +650,7 @@ void check_x(const torch::Tensor& x) {
 
 // x: [M, K] float32 contiguous -> (q int8 [M, K], d float32 [M, K/32], s float32 [M, K/32]): the activation
 // quantization linear_a8 uses (d = amax / 127, q = round-half-to-even(x / d), s = the block's fp32 sum).
-std::vector<torch::Tensor> quantize_a8(torch::Tensor x) {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_a8(torch::Tensor x) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), KB = K / 32;
   auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
@@ -677,39 +660,24 @@ std::vector<torch::Tensor> quantize_a8(torch::Tensor x) {
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads()) if (M * K >= (1 << 16))
   for (int64_t m = 0; m < M; ++m) quantize_x_row(xp, m, K, QX{qp, dp, sp, c.data()});
   return {q, d, s};
 }
 
-// bias: None or a contiguous float32 [N] tensor -> its data (nullptr for None)
-const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-              "bias must be a contiguous float32 [N] tensor");
-  return bias->data_ptr<float>();
-}
-
 // x: [M, K] float32 contiguous; wq: [N, K / 32 * block bytes] uint8 rows of GGUF blocks of type qtype
 // (3 = Q4_1, 8 = Q8_0); bias: None or [N] float32. Returns float32 [M, N].
-torch::Tensor linear_a8(torch::Tensor x, torch::Tensor wq, int64_t qtype, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear_a8(torch::Tensor x, torch::Tensor wq, int64_t qtype, std::optional<torch::Tensor> bias) {
   check_x(x);
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "qtype must be Q4_1 (3) or Q8_0 (8), got ", qtype);
-  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(),
-              "wq must be a contiguous uint8 [N, bytes] tensor");
-  const int64_t M = x.size(0), K = x.size(1), KB = K / 32, N = wq.size(0);
-  const int64_t block = qtype == kQ4_1 ? kQ4Bytes : kQ8Bytes;
-  TORCH_CHECK(wq.size(1) == KB * block, "wq rows must hold K / 32 = ", KB, " blocks of ", block, " bytes (",
-              KB * block, " bytes), got ", wq.size(1));
-  const float* bp = bias_ptr(bias, N);
+  const int64_t M = x.size(0), K = x.size(1), KB = K / 32, N = check_blocks(wq, qtype, K);
+  torch::Tensor b;
+  const float* bp = bias_ptr(bias, N, b);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return bp ? bias->unsqueeze(0).expand({M, N}).contiguous() : y.zero_();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = wq.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * KB), s(M * KB);
   std::vector<int32_t> c(M * KB);
@@ -732,16 +700,14 @@ torch::Tensor linear_a8(torch::Tensor x, torch::Tensor wq, int64_t qtype, c10::o
 // wq: [N, K / 32 * block bytes] uint8 rows of GGUF blocks of type qtype (3 = Q4_1, 8 = Q8_0) -> uint8
 // [ceil(N / 8), K / 32 * (160 | 272)]: the layout linear_a8_packed reads, made once when the model loads.
 torch::Tensor pack_a8(torch::Tensor wq, int64_t qtype) {
-  check_qtype(qtype);
   TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(),
               "wq must be a contiguous uint8 [N, bytes] tensor");
-  const int64_t block = qtype == kQ4_1 ? kQ4Bytes : kQ8Bytes, N = wq.size(0), rb = wq.size(1);
+  const int64_t block = block_bytes(qtype), N = wq.size(0), rb = wq.size(1);
   TORCH_CHECK(rb % block == 0, "wq rows must be whole ", block, "-byte blocks, got ", rb, " bytes");
   const int64_t KB = rb / block, G = (N + 7) / 8, gb = packed_row_bytes(qtype, 32 * KB);
   auto out = torch::empty({G, gb}, wq.options());
   const uint8_t* wp = wq.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  pybind11::gil_scoped_release no_gil;
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* src = wp + 8 * g * rb;
@@ -759,7 +725,7 @@ torch::Tensor pack_a8(torch::Tensor wq, int64_t qtype) {
 
 // linear_a8(x, wq, qtype, bias) with W given as pack_a8(wq, qtype) (N: its row count); the same results.
 torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N,
-                               c10::optional<torch::Tensor> bias) {
+                               std::optional<torch::Tensor> bias) {
   check_x(x);
   check_qtype(qtype);
   const int64_t M = x.size(0), K = x.size(1);
@@ -768,14 +734,14 @@ torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qt
                   packed.size(0) == (N + 7) / 8 && packed.size(1) == packed_row_bytes(qtype, K),
               "packed must be pack_a8's contiguous uint8 [ceil(N / 8), ", packed_row_bytes(qtype, K),
               "] blocks for N = ", N, ", K = ", K, ", got ", packed.sizes());
-  const float* bp = bias_ptr(bias, N);
+  torch::Tensor b;
+  const float* bp = bias_ptr(bias, N, b);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return bp ? bias->unsqueeze(0).expand({M, N}).contiguous() : y.zero_();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  pybind11::gil_scoped_release no_gil;
   thread_local Scratch scratch;
   const QX qx = scratch.get(M, K);
   const int64_t G = (N + 7) / 8;
@@ -805,16 +771,21 @@ torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qt
   return y;
 }
 
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.set_python_module("pagedllm.ops.fake");
+  // x @ W.T (+ bias), W in GGUF Q4_1/Q8_0 blocks, x quantized to int8 per 32-block (approximate, llama.cpp-style)
+  m.def("linear_a8(Tensor x, Tensor wq, int qtype, Tensor? bias=None) -> Tensor");
+  // x [M, K] -> (q int8 [M, K], d [M, K/32], s [M, K/32]) as linear_a8 quantizes it
+  m.def("quantize_a8(Tensor x) -> (Tensor, Tensor, Tensor)");
+  // GGUF Q4_1/Q8_0 rows -> the load-time layout linear_a8_packed reads
+  m.def("pack_a8(Tensor wq, int qtype) -> Tensor");
+  // linear_a8 on pack_a8's layout (W: N rows); the same results
+  m.def("linear_a8_packed(Tensor x, Tensor packed, int qtype, int N, Tensor? bias=None) -> Tensor");
+}
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_a8", &linear_a8, "x @ W.T (+ bias), W in GGUF Q4_1/Q8_0 blocks, x quantized to int8 per 32-block "
-        "(approximate, llama.cpp-style integer dot products)",
-        pybind11::arg("x"), pybind11::arg("wq"), pybind11::arg("qtype"), pybind11::arg("bias") = pybind11::none());
-  m.def("quantize_a8", &quantize_a8, "x [M, K] -> (q int8 [M, K], d [M, K/32], s [M, K/32]) as linear_a8 quantizes it",
-        pybind11::arg("x"));
-  m.def("pack_a8", &pack_a8, "GGUF Q4_1/Q8_0 rows -> the load-time layout linear_a8_packed reads",
-        pybind11::arg("wq"), pybind11::arg("qtype"));
-  m.def("linear_a8_packed", &linear_a8_packed, "linear_a8 on pack_a8's layout (W: N rows); the same results",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("qtype"), pybind11::arg("N"),
-        pybind11::arg("bias") = pybind11::none());
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("linear_a8", &linear_a8);
+  m.impl("quantize_a8", &quantize_a8);
+  m.impl("pack_a8", &pack_a8);
+  m.impl("linear_a8_packed", &linear_a8_packed);
 }

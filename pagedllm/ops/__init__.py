@@ -1,0 +1,56 @@
+"""pagedllm's C++ CPU kernels as torch custom ops, ``torch.ops.pagedllm.<op>``.
+
+Each ``csrc/<kernel>.cpp`` (sharing ``csrc/ops_common.h``) is one library of ops, a ``TORCH_LIBRARY_FRAGMENT`` of
+the ``pagedllm`` namespace with the CPU implementations; ``fake.py`` gives every op its fake (shape-only)
+implementation, so ``torch.compile`` and graph capture trace through them, and every schema declares what the
+op mutates. A library is built by :mod:`pagedllm.native` (ahead of time at set-up, else on first use) and
+loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a kernel can't be built.
+
+| kernel | ops |
+|---|---|
+| ``paged_attention`` | ``write_kv``, ``paged_attention_out``, ``attend_qkv`` |
+| ``gemm`` | ``linear``, ``quant_linear``, ``dequantize`` |
+| ``fused_ops`` | ``add_rms_norm``, ``rope``, ``silu_mul`` |
+| ``quant_a8`` | ``linear_a8``, ``quantize_a8``, ``pack_a8``, ``linear_a8_packed`` |
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+from pagedllm import native
+from pagedllm.ops import fake
+
+CSRC = Path(__file__).with_name("csrc")
+KERNELS = tuple(sorted(p.stem for p in CSRC.glob("*.cpp")))
+
+
+def source(kernel: str) -> Path:
+    """The C++ source of ``kernel``; ValueError for an unknown name."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; pagedllm has {', '.join(KERNELS)}")
+    return CSRC / f"{kernel}.cpp"
+
+
+def require(kernel: str) -> None:
+    """Build (first time) and load ``kernel``'s ops; RuntimeError saying why when that fails."""
+    native.load_library(f"pagedllm_{kernel}", source(kernel))
+    fake.register(kernel)
+
+
+def buildable(kernel: str) -> bool:
+    """Whether ``kernel`` can run here: a C++ compiler to build it, or an ahead-of-time library built for this
+    machine (cheap: nothing is compiled or loaded)."""
+    return bool(shutil.which("c++") or shutil.which("g++")) or native.aot_library(f"pagedllm_{kernel}",
+                                                                                 source(kernel)) is not None
+
+
+@functools.cache
+def load(kernel: str) -> bool:
+    """Whether ``kernel``'s ops are loaded (built first if needed); False where they can't be built."""
+    if native.try_load_library(f"pagedllm_{kernel}", source(kernel)) is None:
+        return False
+    fake.register(kernel)
+    return True

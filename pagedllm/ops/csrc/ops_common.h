@@ -1,0 +1,91 @@
+// What pagedllm's CPU kernels share: the torch headers an op library needs (ATen, the op registration macros;
+// no Python: each kernel is a torch.library fragment of the `pagedllm` namespace, called as
+// torch.ops.pagedllm.<op>, and the dispatcher releases the GIL around the call), the AVX2 helpers every kernel
+// used its own copy of (horizontal sum / max, 8-lane loads of fp32, bf16 and int8 rows), and the GGUF block
+// layouts with their argument check.
+//
+// AVX2 helpers exist only when the compiler targets AVX2 (-march=native on an AVX2 CPU): paged_attention.cpp
+// keeps scalar paths for CPUs without it; the GEMM and fused kernels need it and fail to build there (their
+// callers then fall back to ATen).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm_ops {
+
+#ifdef __AVX2__
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// 8 consecutive elements as fp32: fp32 as they are, bf16 widened (the high half of an fp32), int8 converted.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// GGUF blocks of 32 weights (ggml's layout; kType: ggml's type number).
+struct BlockQ4_1 {  // w = d * q + m; byte j holds q of weight j (low nibble) and of weight j + 16 (high)
+  static constexpr int kType = 3;
+  uint16_t d, m;
+  uint8_t qs[16];
+};
+struct BlockQ8_0 {  // w = d * q
+  static constexpr int kType = 8;
+  uint16_t d;
+  int8_t qs[32];
+};
+static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml block sizes");
+
+inline void check_qtype(int64_t qtype) {
+  TORCH_CHECK(qtype == BlockQ4_1::kType || qtype == BlockQ8_0::kType, "qtype must be Q4_1 (3) or Q8_0 (8), got ",
+              qtype);
+}
+
+// Bytes of one block of the format qtype (checked).
+inline int64_t block_bytes(int64_t qtype) {
+  check_qtype(qtype);
+  return qtype == BlockQ4_1::kType ? sizeof(BlockQ4_1) : sizeof(BlockQ8_0);
+}
+
+// wq: rows of GGUF blocks of format qtype covering K columns (uint8 [N, K / 32 * block bytes]); returns N.
+inline int64_t check_blocks(const at::Tensor& wq, int64_t qtype, int64_t K) {
+  const int64_t bytes = block_bytes(qtype);
+  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(),
+              "wq must be a contiguous uint8 [N, bytes] tensor");
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(wq.size(1) == K / 32 * bytes, "wq rows must hold K / 32 = ", K / 32, " blocks of ", bytes, " bytes (",
+              K / 32 * bytes, " bytes), got ", wq.size(1));
+  return wq.size(0);
+}
+
+// An optional bias of N elements as contiguous fp32 (converted into holder when it is not), nullptr for None.
+inline const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& holder) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  holder = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(holder.numel() == N, "bias must have N = ", N, " elements, got ", holder.numel());
+  return holder.data_ptr<float>();
+}
+
+}  // namespace pagedllm_ops

@@ -1,0 +1,106 @@
+"""Fake (meta) implementations of every ``torch.ops.pagedllm`` op: the shapes and dtypes of what it returns,
+computed without touching data, which is what ``torch.compile`` (FakeTensor tracing) and graph capture need.
+Ops that only write into their arguments return nothing (their schemas declare the writes). torch registers a
+fake only for an op that exists, so :func:`register` runs when a kernel's library has been loaded
+(:func:`pagedllm.ops.load`); the C++ fragments name this module (``set_python_module``), so a process that
+loaded a library another way gets the fakes too, when tracing imports this module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_FAKES: dict[str, list[tuple[str, Callable]]] = {}  # kernel -> its ops' (name, fake)
+_registered: set[str] = set()
+
+
+def _fake(kernel: str, op: str) -> Callable[[Callable], Callable]:
+    def record(fn: Callable) -> Callable:
+        _FAKES.setdefault(kernel, []).append((op, fn))
+        return fn
+
+    return record
+
+
+def register(kernel: str) -> None:
+    """Register the fakes of ``kernel``'s ops (once), whose library is loaded."""
+    if kernel not in _registered:
+        for op, fn in _FAKES[kernel]:
+            torch.library.register_fake(f"pagedllm::{op}", fn)
+        _registered.add(kernel)
+
+
+@_fake("paged_attention", "write_kv")
+def _write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, block_size=0) -> None:
+    return None
+
+
+@_fake("paged_attention", "paged_attention_out")
+def _paged_attention_out(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale,
+                         seq_begin, seq_end, q_tile, k_scale=None, v_scale=None) -> None:
+    return None
+
+
+@_fake("paged_attention", "attend_qkv")
+def _attend_qkv(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                block_size, scale, q_tile, k_scale=None, v_scale=None) -> torch.Tensor:
+    return qkv.new_empty((qkv.shape[0], num_heads * k_cache.shape[2]))
+
+
+@_fake("gemm", "linear")
+def _linear(x, w, bias=None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@_fake("gemm", "quant_linear")
+def _quant_linear(x, wq, qtype, bias=None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], wq.shape[0]))
+
+
+@_fake("gemm", "dequantize")
+def _dequantize(wq, qtype, K) -> torch.Tensor:
+    return wq.new_empty((wq.shape[0], K), dtype=torch.float32)
+
+
+@_fake("fused_ops", "add_rms_norm")
+def _add_rms_norm(h, delta, weight, eps) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+@_fake("fused_ops", "rope")
+def _rope(x, cos, sin, num_heads=-1) -> None:
+    return None
+
+
+@_fake("fused_ops", "silu_mul")
+def _silu_mul(gate_up) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@_fake("quant_a8", "linear_a8")
+def _linear_a8(x, wq, qtype, bias=None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], wq.shape[0]))
+
+
+@_fake("quant_a8", "quantize_a8")
+def _quantize_a8(x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    return x.new_empty((M, K), dtype=torch.int8), x.new_empty((M, K // 32)), x.new_empty((M, K // 32))
+
+
+@_fake("quant_a8", "pack_a8")
+def _pack_a8(wq, qtype) -> torch.Tensor:
+    from pagedllm.models.quant import BLOCK_BYTES, PACKED_BYTES  # (pagedllm.models imports pagedllm.ops)
+
+    return wq.new_empty(((wq.shape[0] + 7) // 8, wq.shape[1] // BLOCK_BYTES[qtype] * PACKED_BYTES[qtype]))
+
+
+@_fake("quant_a8", "linear_a8_packed")
+def _linear_a8_packed(x, packed, qtype, N, bias=None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], N))
+
+
+for _kernel, _ops in _FAKES.items():  # libraries loaded before this module was imported
+    if all(hasattr(torch.ops.pagedllm, op) for op, _ in _ops):
+        register(_kernel)
