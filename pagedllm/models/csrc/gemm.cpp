@@ -100,8 +100,9 @@ inline void dequant_block(const B& b, float* out) {
 // MR rows of x against NR rows of blocks dequantized in registers: the same values and the same FMA order
 // as tile<float, MR, NR> on the dequantized rows (so the same bits), without the store to and reload from a
 // dequantization buffer, which made the few-row GEMMs compute-bound at ~0.5 cycles per weight.
+// (Not inlined: each MR x NR shape is compiled on its own; inlined into one caller they were 20-100% slower.)
 template <typename B, int MR, int NR>
-inline void block_tile(const float* x, int64_t K, const B* w, float* y, int64_t ldy, const float* bias) {
+__attribute__((noinline)) void block_tile(const float* x, int64_t K, const B* w, float* y, int64_t ldy, const float* bias) {
   const int64_t kb = K / 32;
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
@@ -152,13 +153,25 @@ inline void any_tile(const float* x, int64_t K, const WT* w, float* y, int64_t l
     tile<WT, MR, NR>(x, K, w, y, ldy, bias);
 }
 
-// Every row of x against NR rows of W, two rows of x at a time (four for blocks: each dequantized block then
-// serves more rows; block tiles are only 2 W rows wide there).
+// Every row of x against NR rows of W, two rows of x at a time (four for the dequantization buffer). Blocks read
+// in registers: up to 8 rows in one tile, so a block is dequantized once for all of them (a speculative verify
+// step's 5 rows dequantized every block twice as 4 + 1 rows: 25-30% slower).
 template <typename WT, int NR>
 inline void rows(const float* x, int64_t M, int64_t K, const WT* w, float* y, int64_t N, const float* bias) {
   int64_t m = 0;
-  if constexpr (kBlocks<WT>)
+  if constexpr (kInRegisters<WT>) {
+    for (; m + 8 <= M; m += 8) any_tile<WT, 8, NR>(x + m * K, K, w, y + m * N, N, bias);
+    switch (M - m) {
+      case 7: return any_tile<WT, 7, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 6: return any_tile<WT, 6, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 5: return any_tile<WT, 5, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 4: return any_tile<WT, 4, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 3: return any_tile<WT, 3, NR>(x + m * K, K, w, y + m * N, N, bias);
+      default: break;
+    }
+  } else if constexpr (kBlocks<WT>) {
     for (; m + 4 <= M; m += 4) any_tile<WT, 4, NR>(x + m * K, K, w, y + m * N, N, bias);
+  }
   for (; m + 2 <= M; m += 2) any_tile<WT, 2, NR>(x + m * K, K, w, y + m * N, N, bias);
   if (m < M) any_tile<WT, 1, NR>(x + m * K, K, w, y + m * N, N, bias);
 }
@@ -322,15 +335,16 @@ void run_panels(const float* x, const WT* w, const float* bias, float* y, int64_
 }
 
 // Rows of W per tile. fp32 / bf16 rows and the dequantization buffer: 8 for one row of x (more loads in flight),
-// else 4 (the 2x4 tile fits the registers). Blocks read in registers: 4 for one row of x, else 2 (4 x 2 tiles);
-// more spilled the accumulators (30% slower). From PANEL_MIN_ROWS rows on, the outer-product panels.
+// else 4 (the 2x4 tile fits the registers). Blocks read in registers: 4 for up to 3 rows of x (at least 8
+// accumulators keep both FMA pipes busy through their 4-cycle latency), else 2 (up to 8 x 2 tiles). From
+// PANEL_MIN_ROWS rows on, the outer-product panels.
 template <typename WT>
 void dispatch(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (M >= PANEL_MIN_ROWS)
     run_panels<WT>(x, w, bias, y, M, N, K);
   else if (M == 1 && !kInRegisters<WT>)
     run<WT, 8>(x, w, bias, y, M, N, K);
-  else if (M > 1 && kInRegisters<WT>)
+  else if (M > 3 && kInRegisters<WT>)
     run<WT, 2>(x, w, bias, y, M, N, K);
   else
     run<WT, 4>(x, w, bias, y, M, N, K);
