@@ -58,11 +58,13 @@ class AcceptanceModel:
 
 
 class StepCost:
-    """Wall time of a decode step by the number of tokens it computes (running means), interpolated
-    between measured counts and extrapolated linearly beyond them."""
+    """Wall time of a decode step by the number of tokens it computes: a running mean per count, made
+    non-decreasing (a step over more tokens never costs less: noise from the machine's load is pooled
+    away), interpolated between measured counts and extrapolated linearly beyond them."""
 
     def __init__(self) -> None:
         self.mean: dict[int, float] = {}
+        self.count: dict[int, int] = {}
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         old = self.mean.get(num_tokens)
@@ -70,14 +72,28 @@ class StepCost:
             self.mean[num_tokens] = seconds
         else:  # a load spike moves the mean by at most COST_ALPHA of itself
             self.mean[num_tokens] = old + COST_ALPHA * (min(seconds, 2 * old) - old)
+        self.count[num_tokens] = self.count.get(num_tokens, 0) + 1
+
+    def curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token counts, costs): the means, pooled into a non-decreasing sequence weighted by how often
+        each was measured (pool adjacent violators)."""
+        ts = sorted(self.mean)
+        blocks: list[list[float]] = []  # [weighted sum, weight, number of counts]
+        for t in ts:
+            w = min(self.count[t], 16)
+            blocks.append([self.mean[t] * w, w, 1])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                s, w, n = blocks.pop()
+                blocks[-1] = [blocks[-1][0] + s, blocks[-1][1] + w, blocks[-1][2] + n]
+        cost = np.repeat([b[0] / b[1] for b in blocks], [b[2] for b in blocks])
+        return np.array(ts, dtype=np.float64), cost
 
     def relative(self, base: int, extra: int) -> np.ndarray:
         """``[extra + 1]``: ``c(base + m) / c(base)`` for m = 0..extra."""
         t = np.arange(base, base + extra + 1, dtype=np.float64)
         if not self.mean:
             return 1 + PRIOR_ROW_COST * (t - base) / base
-        known = np.array(sorted(self.mean), dtype=np.float64)
-        cost = np.array([self.mean[int(k)] for k in known])
+        known, cost = self.curve()
         c = np.interp(t, known, cost)
         lo, hi = known[0], known[-1]
         c = np.where(t > hi, cost[-1] * (1 + PRIOR_ROW_COST * (t - hi) / hi), c)

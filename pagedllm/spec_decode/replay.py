@@ -23,9 +23,10 @@ from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.spec_decode.rejection import greedy_verify
 
 # The copy-heavy task: an edit of a real paragraph whose answer repeats it (the issue's "editing a given real
-# text"). Chosen as a task, not by acceptance; with a paragraph's end as the answer's natural end (EOS), SmolLM2
-# copies it (it rarely fixes the typos). Measured on 16 paragraphs (replay, ngram k=4): 65% of drafts accepted;
-# "Repeat the following text exactly" 82%, editing a stdlib Python function ~60%.
+# text"). Chosen as a task, not by acceptance; with the paragraph's end as the answer's natural end (EOS),
+# SmolLM2 copies it (it rarely fixes the typos). Replay, ngram k=4, this workload's 16 first prompts: 72% of
+# drafts accepted, 3.5 tokens a step; on 8 other paragraphs "Repeat the following text exactly" 82%; asked to
+# edit 8 stdlib Python functions and return them whole, 57-64% (the model often rewrites the code wrongly).
 COPY_TASK = "Fix the typos in the following text and return the whole corrected text:\n\n{text}"
 COPY_CHARS = (500, 1500)  # paragraph length: a few hundred tokens to copy
 

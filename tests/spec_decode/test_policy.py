@@ -33,6 +33,8 @@ def test_step_cost_interpolates_extrapolates_and_damps_spikes():
     assert StepCost().relative(4, 4)[-1] > 1.0  # nothing measured yet: rows still cost something
     c.observe(6, 100.0)  # a load spike
     assert c.mean[6] == pytest.approx(4.8)  # counted as at most twice the mean, at weight 0.2
+    noisy = cost_curve({1: 10.0, 2: 12.0, 3: 11.0, 4: 16.0})  # 3 tokens measured cheaper than 2: load noise
+    assert noisy.curve()[1].tolist() == [10.0, 11.5, 11.5, 16.0]
 
 
 def test_acceptance_model_learns_per_class_and_position():
