@@ -3,7 +3,7 @@ decode speed and acceptance at batch 1 and batch 16, on a copy-heavy workload (f
 Wikipedia paragraph and return it whole, stopping at EOS) and on W1.
 
 Batch b runs ``--requests`` requests in groups of b (one ``generate`` per group). Each group runs without and
-with speculation back to back, the order alternating from group to group and round to round, so the machine's
+with speculation back to back, which first alternating from group to group and round to round, so the machine's
 load drifts into both sides alike; the 1-minute load average is recorded around every round.
 """
 
@@ -25,7 +25,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="draft_model: self-speculative draft depth")
     p.add_argument("--batches", default="1,16", help="comma list of batch sizes (default 1,16)")
     p.add_argument("--requests", type=int, default=None, help="requests per batch size and workload (default 16)")
-    p.add_argument("--rounds", type=int, default=None, help="off/on rounds over every group (default 2)")
+    p.add_argument("--rounds", type=int, default=None, help="off/on rounds over every group (default 3)")
     p.add_argument("--max-tokens", type=int, default=None, help="copy workload output cap (default 320)")
 
 
@@ -86,12 +86,12 @@ def run(args) -> Report:
     fast = make_llm(args.dtype, seed=args.seed, **{**args.engine_args, "speculative_config": json.dumps(spec)})
     stats = fast.engine.core.speculator.stats
     num = args.requests or (2 if args.quick else 16)
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     batches = [int(b) for b in args.batches.split(",")]
     work = _workloads(plain.engine.tokenizer, args, num)
     cells = {(name, b): {"off": _Side(), "on": _Side(), "drafts": 0, "accepted": 0, "steps": 0, "same": True}
              for b in batches for name in work}
-    loads, flip = [], 0
+    loads = []
     for r in range(rounds):
         loads.append(os.getloadavg()[0])
         for b in batches:
@@ -100,8 +100,7 @@ def run(args) -> Report:
                 round_tok = {"off": [0, 0.0], "on": [0, 0.0]}
                 for g in range(0, num, b):
                     outs = {}
-                    flip ^= 1
-                    for side in (("off", "on") if flip else ("on", "off")):
+                    for side in (("off", "on") if (r + g // b) % 2 == 0 else ("on", "off")):
                         before = (stats.num_drafts, stats.num_accepted, stats.num_steps)
                         wall, cpu, outs[side] = _run(plain if side == "off" else fast, prompts[g:g + b],
                                                      lens[g:g + b], ignore_eos)
