@@ -4,10 +4,11 @@ history and propose the tokens that followed there.
 Each history is one numpy array (kept per request and extended by the tokens it gained, so a step
 converts a few tokens, not the history). One vectorised compare finds every earlier position of the
 last token; each longer n-gram only filters those candidates, so a lookup costs one pass over the
-history plus work on the (few) candidates: ~10 us a sequence at 500 tokens, where a matrix of every
-window of every history cost ~0.5 ms a step at batch 1 (vllm#16883: per-step CPU matching made
-n-gram slower than no speculation). The match length is returned too: the draft policy's confidence
-(a 1-gram match continues right a third of the time, an 8-gram nearly always).
+history plus work on the (few) candidates: 6 us a step at batch 1 and 63 us at batch 16 (500-token
+histories), where the matrix of every window of every history it replaces took 92 us and 700 us
+(vllm#16883: per-step CPU matching made n-gram slower than no speculation). The match length is
+returned too: the draft policy's confidence (with SmolLM2, a 1-gram match's next token is right a
+quarter to a third of the time, an 8-gram's 97% of the time).
 """
 
 from __future__ import annotations
