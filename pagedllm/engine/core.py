@@ -362,6 +362,8 @@ class EngineCore:
         st.num_preemptions = self.scheduler.num_preemptions
         st.last_step_tokens = sched.num_tokens
         st.last_step_time = time.monotonic() - t0
+        if self.speculator is not None and all(c.num_tokens == 1 + c.num_spec for c in sched.chunks):
+            self.speculator.observe_step(sched.num_tokens, st.last_step_time)  # a decode step: the draft cost curve
         sampled = sum(len(d.new_token_ids) for _, o in self._outputs.values() for d in o.seqs if not d.replace)
         st.history.append((time.monotonic(), sampled))
         if len(st.history) > 4096:

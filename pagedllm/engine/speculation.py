@@ -2,10 +2,11 @@
 and what came of them.
 
 A proposer (``pagedllm.spec_decode``: n-gram, suffix, draft model) reads token histories and
-returns draft tokens; the scheduler gives each drafted sequence ``1 + k`` slots in one chunk, the
-worker verifies the drafts in that same forward pass (``worker/spec_verify.py``), and the core keeps
-the accepted ones, releases the rejected ones' slots and hashes only verified tokens. A request
-whose drafts keep failing stops getting them.
+returns draft tokens; the draft policy (``spec_decode.policy``) keeps the ones whose expected gain pays
+for their verify rows, from the acceptance it has seen per confidence class and per request and from
+the engine's measured step times; the scheduler gives each drafted sequence ``1 + k`` slots in one
+chunk, the worker verifies the drafts in that same forward pass (``worker/spec_verify.py``), and the
+core keeps the accepted ones, releases the rejected ones' slots and hashes only verified tokens.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from typing import Any
 
 from pagedllm.engine.sequence import Request, Sequence
 from pagedllm.spec_decode import Proposer, SpeculativeConfig, make_proposer
-
-MIN_TRIES = 16  # drafts a request gets before its acceptance can switch speculation off
-MIN_ACCEPTANCE = 0.15  # below this fraction of drafts kept, drafting costs more than it saves
+from pagedllm.spec_decode.policy import DraftPolicy
 
 
 @dataclass
@@ -38,17 +37,13 @@ class SpecStats:
 
 
 @dataclass
-class _RequestRecord:
-    drafts: int = 0
-    accepted: int = 0
-
-
-@dataclass
 class Speculator:
     proposer: Proposer
     num_speculative_tokens: int
     stats: SpecStats = field(default_factory=SpecStats)
-    _records: dict[str, _RequestRecord] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.policy = DraftPolicy(self.num_speculative_tokens)
 
     @classmethod
     def from_config(cls, config: str | dict[str, Any] | None, worker=None, block_size: int = 16) -> "Speculator | None":
@@ -68,36 +63,48 @@ class Speculator:
         target, backend = (worker.model, worker.runner.backend) if worker is not None else (None, None)
         return cls(make_proposer(cfg, target, backend, block_size), cfg.num_speculative_tokens)
 
-    def eligible(self, seq: Sequence) -> bool:
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
         """Drafts only where verification is exact and cheap: one sample, no beam, no penalty or bias
         (their values would change inside the drafted run), no logprobs asked, not opted out."""
         p = seq.request.params
-        rec = self._records.get(seq.request.request_id)
-        if rec is not None and rec.drafts >= MIN_TRIES and rec.accepted < MIN_ACCEPTANCE * rec.drafts:
-            return False
         return (seq.num_uncomputed == 1 and seq.num_output_tokens >= max(p.min_tokens, 1) and p.n == 1
                 and not p.use_beam_search and p.logprobs is None and not p.logit_bias
                 and p.structured_outputs is None and p.speculative
                 and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
     def propose(self, running: list[Request], max_model_len: int) -> None:
-        """Set ``spec_token_ids`` of every eligible running sequence (the scheduler may still drop them)."""
-        seqs, ks = [], []
+        """Set ``spec_token_ids`` of the running sequences the policy drafts for (the scheduler may
+        still drop them)."""
+        seqs, caps, base = [], [], 0
         for req in running:
             for seq in req.seqs:
-                if seq.finished or not self.eligible(seq):
+                if seq.finished:
+                    continue
+                base += 1
+                if not self.eligible(seq):
                     continue
                 p = req.params
                 k = min(self.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                         max_model_len - seq.num_tokens - 1)
                 if k > 0:
                     seqs.append(seq)
-                    ks.append(k)
+                    caps.append(k)
         if not seqs:
             return
-        proposal = self.proposer.propose([s.token_ids for s in seqs], ks, [s.request.request_id for s in seqs])
-        for seq, k, d in zip(seqs, ks, proposal.token_ids):
+        hists, ids = [s.token_ids for s in seqs], [s.request.request_id for s in seqs]
+        if self.proposer.reports_match:  # cheap drafts: ask for the most, verify the ones worth it
+            proposal = self.proposer.propose(hists, caps, ids)
+            drafts = [d[:k] for d, k in zip(proposal.token_ids, caps)]
+            keep = self.policy.choose(ids, proposal.match_len or [0] * len(seqs), [len(d) for d in drafts], base)
+        else:  # every draft token costs a draft forward: decide first
+            keep = self.policy.choose(ids, [0] * len(seqs), caps, base)
+            drafts = self.proposer.propose(hists, keep, ids).token_ids if any(keep) else [[] for _ in seqs]
+        for seq, d, k in zip(seqs, drafts, keep):
             seq.spec_token_ids = list(d[:k])
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.policy.observe_step(num_tokens, seconds)
 
     def start(self, request_id: str, prompt_ids: list[int]) -> None:
         self.proposer.start_request(request_id, prompt_ids)
@@ -108,10 +115,8 @@ class Speculator:
         self.stats.num_steps += 1
         self.stats.num_drafts += num_drafts
         self.stats.num_accepted += num_accepted
-        rec = self._records.setdefault(seq.request.request_id, _RequestRecord())
-        rec.drafts += num_drafts
-        rec.accepted += num_accepted
+        self.policy.record(seq.request.request_id, num_drafts, num_accepted)
 
     def forget(self, request_id: str) -> None:
-        self._records.pop(request_id, None)
+        self.policy.forget(request_id)
         self.proposer.finish_request(request_id)

@@ -1,67 +1,86 @@
 """N-gram prompt lookup (vLLM's ``ngram``): find the last n tokens earlier in the sequence's own
 history and propose the tokens that followed there.
 
-All sequences are matched in one set of tensor ops: histories are right-aligned into one
-``[B, L]`` matrix, ``unfold`` gives every window of ``prompt_lookup_max`` tokens ending at each
-earlier position, and the length of the agreement with the sequence's tail is read off a
-cumulative product. No Python loop runs over positions (vllm#16883: per-step CPU matching that
-loops made n-gram slower than no speculation).
+Each history is one numpy array (kept per request and extended by the tokens it gained, so a step
+converts a few tokens, not the history). One vectorised compare finds every earlier position of the
+last token; each longer n-gram only filters those candidates, so a lookup costs one pass over the
+history plus work on the (few) candidates: 6 us a step at batch 1 and 63 us at batch 16 (500-token
+histories), where the matrix of every window of every history it replaces took 92 us and 700 us
+(vllm#16883: per-step CPU matching made n-gram slower than no speculation). The match length is
+returned too: the draft policy's confidence (with SmolLM2, a 1-gram match's next token is right a
+quarter to a third of the time, an 8-gram's 97% of the time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from pagedllm.spec_decode.proposer import Proposal, Proposer, check_num_tokens
 
-_PAD = -1  # never a token id: pads never match
+
+def _match(h: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
+    """``(n, end)``: the longest tail n-gram of ``h`` (``min_n <= n <= max_n``) that occurs earlier,
+    and the index right after its most recent earlier occurrence; ``(0, 0)`` when none."""
+    size = len(h)
+    if size <= min_n:
+        return 0, 0
+    ends = np.flatnonzero(h[:-1] == h[-1])  # where an earlier occurrence of the last n tokens ends
+    n, best = 0, None
+    while len(ends):
+        n += 1
+        best = ends
+        if n == max_n:
+            break
+        ends = ends[ends >= n]
+        ends = ends[h[ends - n] == h[size - 1 - n]]
+    if n < min_n or best is None:
+        return 0, 0
+    return n, int(best[-1]) + 1
 
 
-def right_aligned(histories: Sequence[Sequence[int]], left_pad: int) -> torch.Tensor:
-    """``[B, left_pad + max_len]`` int64, each history flush right, ``_PAD`` on the left."""
-    width = left_pad + max(len(h) for h in histories)
-    out = torch.full((len(histories), width), _PAD, dtype=torch.int64)
-    for i, h in enumerate(histories):  # one slice copy per sequence
-        if h:
-            out[i, width - len(h):] = torch.as_tensor(h, dtype=torch.int64)
-    return out
+def ngram_lookup(histories: Sequence[Sequence[int] | np.ndarray], k: int, min_n: int,
+                 max_n: int) -> tuple[list[list[int]], list[int]]:
+    """For each history, the ``k`` tokens (or fewer, at the end) after the most recent earlier occurrence
+    of its longest matching tail n-gram, ``max_n >= n >= min_n`` ([] when none), and that n (0)."""
+    drafts, lens = [], []
+    for hist in histories:
+        h = hist if isinstance(hist, np.ndarray) else np.asarray(hist, dtype=np.int64)
+        n, end = _match(h, min_n, max_n) if k else (0, 0)
+        drafts.append(h[end:end + k].tolist() if n else [])
+        lens.append(n)
+    return drafts, lens
 
 
-def ngram_lookup(histories: Sequence[Sequence[int]], k: int, min_n: int, max_n: int) -> list[list[int]]:
-    """For each history, the ``k`` tokens (or fewer, at the end) after the most recent earlier
-    occurrence of its longest matching tail n-gram, ``max_n >= n >= min_n``; [] when none matches."""
-    if not histories:
-        return []
-    if k == 0 or max(len(h) for h in histories) <= min_n:
-        return [[] for _ in histories]
-    t = right_aligned(histories, max_n - 1)  # [B, W]
-    W = t.shape[1]
-    tail = t[:, W - max_n:]  # [B, max_n]: the n-gram to look up, oldest token first
-    # windows[b, e] = t[b, e : e + max_n], the max_n tokens ending at padded position e + max_n - 1;
-    # the last window is the tail itself, excluded (a match must lie strictly before it)
-    windows = t[:, :-1].unfold(1, max_n, 1)  # [B, W - max_n, max_n]
-    eq = (windows == tail[:, None, :]).flip(-1)  # column m: token m places before the window's end
-    match_len = eq.to(torch.int32).cumprod(-1).sum(-1)  # [B, E]: agreement length with the tail
-    match_len = torch.where(match_len >= min_n, match_len, 0)
-    E = match_len.shape[1]
-    # longest match first, most recent among equals
-    score = match_len.to(torch.int64) * E + torch.arange(E)
-    best = score.argmax(1)  # [B]
-    found = match_len.gather(1, best[:, None]).squeeze(1) > 0
-    found &= torch.tensor([len(h) > 0 for h in histories])  # an empty history's pads would match each other
-    start = best + max_n  # padded position right after the matched n-gram
-    idx = start[:, None] + torch.arange(k)  # [B, k]
-    valid = (idx < W) & found[:, None]
-    drafts = t.gather(1, idx.clamp(max=W - 1))
-    counts = valid.sum(1).tolist()
-    rows = drafts.tolist()
-    return [row[:c] for row, c in zip(rows, counts)]
+class _History:
+    """A request's history as a growing numpy array (capacity doubles)."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, hist: Sequence[int]) -> np.ndarray:
+        """The array equal to ``hist``, which extends what was synced before (histories only grow by
+        verified tokens); anything else is copied whole."""
+        n = self.size
+        if n > len(hist) or (n and self.buf[n - 1] != hist[n - 1]):
+            n = 0
+        if len(hist) > len(self.buf):
+            grown = np.empty(max(2 * len(self.buf), len(hist), 64), dtype=np.int64)
+            grown[:n] = self.buf[:n]
+            self.buf = grown
+        if len(hist) > n:
+            self.buf[n:len(hist)] = hist[n:]
+        self.size = len(hist)
+        return self.buf[:self.size]
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup over each sequence's prompt + output; stateless."""
+    """Prompt lookup over each sequence's prompt + output; the only state is each request's history
+    array (built on first use, dropped when the request finishes)."""
+
+    reports_match = True
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         if prompt_lookup_min < 1:
@@ -71,10 +90,14 @@ class NgramProposer(Proposer):
                              f"({prompt_lookup_min})")
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        self._histories: dict[str, _History] = {}
+
+    def finish_request(self, req_id) -> None:
+        self._histories.pop(req_id, None)
 
     def propose(self, histories, num_tokens, req_ids=None) -> Proposal:
         check_num_tokens(histories, num_tokens, req_ids)
-        if not histories:
-            return Proposal([])
-        drafts = ngram_lookup(histories, max(num_tokens), self.min_n, self.max_n)
-        return Proposal([d[:k] for d, k in zip(drafts, num_tokens)])
+        if req_ids is not None:
+            histories = [self._histories.setdefault(r, _History()).sync(h) for r, h in zip(req_ids, histories)]
+        drafts, lens = ngram_lookup(histories, max(num_tokens, default=0), self.min_n, self.max_n)
+        return Proposal([d[:k] for d, k in zip(drafts, num_tokens)], match_len=lens)

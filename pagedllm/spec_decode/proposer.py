@@ -19,14 +19,20 @@ class Proposal:
 
     token_ids: list[list[int]]
     probs: list[torch.Tensor] | None = None
+    match_len: list[int] | None = None  # context tokens each draft continues (ngram, suffix): its confidence
 
 
 class Proposer(ABC):
     """Proposes draft tokens from each sequence's token history (prompt + accepted output).
 
-    The request hooks are optional: stateless proposers (ngram) ignore them, stateful ones (suffix
-    trees, a draft model's KV) keep per-request state between steps and release it on finish.
+    The request hooks are optional: stateless proposers ignore them, stateful ones (suffix trees, a
+    draft model's KV, n-gram history arrays) keep per-request state between steps and release it on finish.
+    ``reports_match``: proposals carry ``match_len`` and cost little, so the engine asks for the most
+    drafts and keeps the ones worth verifying; otherwise (a draft model: every draft token is a forward)
+    it decides how many to ask for first.
     """
+
+    reports_match: bool = False
 
     @abstractmethod
     def propose(self, histories: Sequence[Sequence[int]], num_tokens: Sequence[int],

@@ -59,7 +59,12 @@ def greedy_verify(target_probs: torch.Tensor, draft_ids: torch.Tensor,
     """Accept the longest prefix of drafts equal to the target's argmax, plus the target's argmax
     after it (the bonus token when all matched). ``target_probs`` may as well be logits."""
     _check(target_probs, draft_ids, num_drafts)
-    best = target_probs.argmax(-1)  # [B, K + 1]
+    return accept_argmax(target_probs.argmax(-1), draft_ids, num_drafts)
+
+
+def accept_argmax(best: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor) -> list[list[int]]:
+    """``greedy_verify`` from the target's argmax ``best [B, K + 1]`` (taken before padding, the
+    vocabulary-wide rows are never copied)."""
     n = _num_accepted(draft_ids == best[:, :-1], num_drafts)
     # accepted drafts equal best there, so the output is best[:, : n + 1]
     return _split(best, n + 1)

@@ -7,7 +7,7 @@ target rows), and advances by the accepted drafts + 1. Because greedy speculativ
 greedy output, this is exactly what the engine would do; tokens per step bounds the speedup
 (it ignores the cost of drafting and of the wider verify forward).
 
-    python -m pagedllm.spec_decode.replay --method ngram -k 4      # SmolLM2 copying Wikipedia text
+    python -m pagedllm.spec_decode.replay --method ngram -k 4      # SmolLM2 fixing typos in Wikipedia text
 """
 
 from __future__ import annotations
@@ -22,12 +22,24 @@ import torch
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.spec_decode.rejection import greedy_verify
 
-COPY_TASKS = (
-    "Repeat the following text exactly, word for word:\n\n{text}",
-    "Rewrite the following text, replacing every number with words and keeping everything else:\n\n{text}",
-    "Fix the spelling and punctuation of this paragraph and return the corrected paragraph:\n\n{text}",
-    "Copy this paragraph, then summarise it in one sentence:\n\n{text}",
-)
+# The copy-heavy task: an edit of a real paragraph whose answer repeats it (the issue's "editing a given real
+# text"). Chosen as a task, not by acceptance; with the paragraph's end as the answer's natural end (EOS),
+# SmolLM2 copies it (it rarely fixes the typos). Replay, ngram k=4, this workload's 16 first prompts: 72% of
+# drafts accepted, 3.5 tokens a step; on 8 other paragraphs "Repeat the following text exactly" 82%; asked to
+# edit 8 stdlib Python functions and return them whole, 57-64% (the model often rewrites the code wrongly).
+COPY_TASK = "Fix the typos in the following text and return the whole corrected text:\n\n{text}"
+COPY_CHARS = (500, 1500)  # paragraph length: a few hundred tokens to copy
+
+
+def with_typos(text: str, rng, num: int = 3) -> str:
+    """``text`` with two adjacent letters swapped inside ``num`` seeded words of 5+ letters."""
+    words = text.split(" ")
+    candidates = [i for i, w in enumerate(words) if len(w) >= 5 and w.isalpha()]
+    for i in rng.sample(candidates, min(num, len(candidates))):
+        w = words[i]
+        j = rng.randrange(1, len(w) - 2)
+        words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
 
 
 @dataclass
@@ -92,15 +104,15 @@ def replay_acceptance(proposer: Proposer, prompts: Sequence[Sequence[int]], outp
 
 
 def copy_workload(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
-    """Chat prompts asking to repeat / edit a real Wikipedia paragraph (copy-heavy output)."""
+    """``num`` chat prompts asking to fix the typos of a real Wikipedia paragraph and return the whole text."""
     import random
 
     from pagedllm.bench.workloads import chat_request_ids, wiki_articles
 
     rng = random.Random(seed)
-    arts = rng.sample(wiki_articles(), num)
-    texts = [COPY_TASKS[i % len(COPY_TASKS)].format(text=a[1][:1200]) for i, a in enumerate(arts)]
-    return chat_request_ids(tokenizer, texts)
+    lo, hi = COPY_CHARS
+    texts = [text for _, text in rng.sample([a for a in wiki_articles() if lo <= len(a[1]) <= hi], num)]
+    return chat_request_ids(tokenizer, [COPY_TASK.format(text=with_typos(t, rng)) for t in texts])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -119,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = llm.engine.tokenizer
     if args.workload == "copy":
         prompts = copy_workload(tok, args.num_prompts)
-        params = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
+        params = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)  # stops at EOS
     else:  # W1's real-text windows and output lengths
         from pagedllm.bench.workloads import W1, random_requests
 

@@ -22,6 +22,8 @@ class _Request:
 
 
 class SuffixProposer(Proposer):
+    reports_match = True
+
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000, max_match: int = 16,
                  min_token_prob: float = 0.1):
         if max_cached_requests < 0:
@@ -64,7 +66,7 @@ class SuffixProposer(Proposer):
         with its whole history as the prompt)."""
         req = self.requests.get(req_id)
         if req is None or len(history) < req.seen:  # unknown, or history rewritten: start over
-            self.start_request(req_id, history)
+            self.start_request(req_id, list(history))
             return self.requests[req_id]
         new = history[req.seen:]
         if new:
@@ -77,13 +79,16 @@ class SuffixProposer(Proposer):
         check_num_tokens(histories, num_tokens, req_ids)
         if req_ids is None:
             raise ValueError("SuffixProposer needs req_ids: it keeps a suffix tree per request")
-        drafts = []
+        drafts, lens = [], []
         for rid, hist, k in zip(req_ids, histories, num_tokens):
-            req = self._sync(rid, list(hist))
+            req = self._sync(rid, hist)
             if k == 0:
                 drafts.append([])
+                lens.append(0)
                 continue
             own = req.trie.continuation(hist, k, self.max_match, self.min_prob)
             other = self.global_trie.continuation(hist, k, self.max_match, self.min_prob)
-            drafts.append(max(own, other, key=lambda c: (c[1], c[2]))[0])
-        return Proposal(drafts)
+            tokens, _, match = max(own, other, key=lambda c: (c[1], c[2]))
+            drafts.append(tokens)
+            lens.append(match if tokens else 0)
+        return Proposal(drafts, match_len=lens)

@@ -1,14 +1,16 @@
 """Draft verification on the worker: the step's logits at each drafted sequence's last real token
 and at its drafts become the target's distributions (raw logits for greedy rows; temperature,
-top-k/p and min-p applied for sampled ones), and ``spec_decode.rejection.verify`` keeps the longest
+top-k/p and min-p applied for sampled ones), and ``spec_decode.rejection`` keeps the longest
 accepted prefix plus one token from the target, for the whole batch at once."""
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.spec_decode.rejection import pad_flat, verify
+from pagedllm.spec_decode.rejection import accept_argmax, pad_flat, verify
 from pagedllm.worker.sampler import filter_logits
 
 
@@ -22,19 +24,31 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return scaled.softmax(-1)
 
 
-def verify_drafts(logits: list[torch.Tensor], drafts: list[list[int]], params: list[SamplingParams],
+def _spans(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Row indices ``starts[i] .. starts[i] + lens[i] - 1`` for every i, concatenated."""
+    offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    return torch.repeat_interleave(starts, lens) + offsets
+
+
+def verify_drafts(logits: torch.Tensor, firsts: list[int], drafts: list[list[int]], params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> list[tuple[list[int], list[float]]]:
-    """``logits[i] [k_i + 1, vocab]`` for sequence i's drafts ``drafts[i]``; returns per sequence the
-    kept drafts plus the target's token, and each token's logprob under the raw model."""
-    greedy = torch.tensor([p.temperature == 0 for p in params])
-    dists = [lg if p.temperature == 0 else target_probs(lg, p) for lg, p in zip(logits, params)]
-    counts = [len(d) + 1 for d in drafts]
-    target = pad_flat(torch.cat(dists), counts)
-    width = max(counts) - 1
+    """Sequence i's drafts ``drafts[i]`` are scored by rows ``firsts[i] .. firsts[i] + len(drafts[i])``
+    of the step's float32 logits ``[N, vocab]``; returns per sequence the kept drafts plus the target's
+    token, and each token's logprob under the raw model."""
+    counts = torch.tensor([len(d) + 1 for d in drafts])
+    rows = _spans(torch.tensor(firsts), counts)
+    width = int(counts.max()) - 1
     draft_ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.int64).reshape(len(drafts), width)
-    kept = verify(target, draft_ids, torch.tensor([len(d) for d in drafts]), greedy, None, generators)
-    out = []
-    for lg, toks in zip(logits, kept):
-        lp = lg[: len(toks)].log_softmax(-1).gather(1, torch.tensor(toks)[:, None])[:, 0]
-        out.append((toks, lp.tolist()))
-    return out
+    num_drafts = counts - 1
+    greedy = torch.tensor([p.temperature == 0 for p in params])
+    if bool(greedy.all()):  # only each row's argmax matters (numpy's: ~10x torch's on the CPU), padded as ids
+        best = torch.from_numpy(logits.numpy().argmax(-1))[rows]
+        kept = accept_argmax(pad_flat(best, counts.tolist()), draft_ids, num_drafts)
+    else:
+        dists = [lg if p.temperature == 0 else target_probs(lg, p)
+                 for lg, p in zip(logits[rows].split(counts.tolist()), params)]
+        kept = verify(pad_flat(torch.cat(dists), counts.tolist()), draft_ids, num_drafts, greedy, None, generators)
+    lens = torch.tensor([len(t) for t in kept])
+    tokens = torch.tensor(list(chain.from_iterable(kept)))
+    lp = logits[_spans(torch.tensor(firsts), lens)].log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    return [(toks, x.tolist()) for toks, x in zip(kept, lp.split(lens.tolist()))]

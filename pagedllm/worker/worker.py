@@ -221,8 +221,7 @@ class Worker:
             self._sample(so, rows, logits, sample_rows, sample_keys, outs)
         if spec_of:
             idx = list(spec_of)
-            spans = [logits[first:first + len(so.scheduled[i].spec_token_ids) + 1] for i, first in spec_of.items()]
-            kept = verify_drafts(spans, [so.scheduled[i].spec_token_ids for i in idx],
+            kept = verify_drafts(logits, list(spec_of.values()), [so.scheduled[i].spec_token_ids for i in idx],
                                  [batch.params[rows[i]] for i in idx], [batch.generators[rows[i]] for i in idx])
             for i, (toks, lps) in zip(idx, kept):
                 outs[i].token_ids, outs[i].logprobs = toks, lps

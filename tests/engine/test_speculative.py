@@ -64,7 +64,7 @@ def test_rejection_rule_keeps_the_target_distribution():
     counts = torch.zeros(8)
     n = 4000
     for _ in range(n):
-        (toks, _), = verify_drafts([logits], [[3, 5]], [p], [g])
+        (toks, _), = verify_drafts(logits, [0], [[3, 5]], [p], [g])
         counts[toks[0]] += 1
     tv = 0.5 * (counts / n - want).abs().sum()
     assert tv < 0.05, f"total variation {tv:.3f}"  # ~0.016 expected at this n; a biased rule gives > 0.3

@@ -39,7 +39,7 @@ def test_dequantize_matches_gguf_exactly(qtype, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 64, 200])  # the dot-product tiles below 16 rows, panels above
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16, 64, 200])  # the dot-product tiles below 16 rows, panels above
 @pytest.mark.parametrize("n,k", [(7, 64), (192, 576), (13, 1536)])
 def test_quant_linear_is_bit_identical_to_the_fp32_kernel(qtype, m, n, k):
     """Same register tiles over exactly dequantized weights: equal bits, with and without bias."""

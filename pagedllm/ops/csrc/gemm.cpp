@@ -75,8 +75,9 @@ inline void dequant_block(const B& b, float* out) {
 // MR rows of x against NR rows of blocks dequantized in registers: the same values and the same FMA order
 // as tile<float, MR, NR> on the dequantized rows (so the same bits), without the store to and reload from a
 // dequantization buffer, which made the few-row GEMMs compute-bound at ~0.5 cycles per weight.
+// (Not inlined: each MR x NR shape is compiled on its own; inlined into one caller they were 20-100% slower.)
 template <typename B, int MR, int NR>
-inline void block_tile(const float* x, int64_t K, const B* w, float* y, int64_t ldy, const float* bias) {
+__attribute__((noinline)) void block_tile(const float* x, int64_t K, const B* w, float* y, int64_t ldy, const float* bias) {
   const int64_t kb = K / 32;
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
@@ -113,10 +114,13 @@ inline void dequant_rows(const B* w, int64_t rows, int64_t K, float* out) {
 template <typename WT>
 constexpr bool kBlocks = std::is_same_v<WT, BlockQ4_1> || std::is_same_v<WT, BlockQ8_0>;
 
-// Whether few-row GEMMs read these blocks in registers (block_tile); Q8_0 measured slower that way than
-// through the dequantization buffer (LM head at M = 1: 1.6-1.8 vs 1.5 ms).
+// Whether a GEMM over M rows of x reads these blocks in registers (block_tile). Q8_0 only from 5 rows on: below,
+// it measured slower that way than through the dequantization buffer (LM head at M = 1: 1.6-1.8 vs 1.5 ms); at
+// 5-8 rows (a speculative verify step) 0.6-0.85x the buffer's time, whose 2-row tiles reread it.
 template <typename WT>
-constexpr bool kInRegisters = std::is_same_v<WT, BlockQ4_1>;
+inline bool in_registers(int64_t M) {
+  return std::is_same_v<WT, BlockQ4_1> || (std::is_same_v<WT, BlockQ8_0> && M >= 5);
+}
 
 // The MR x NR tile for W's format: fp32 / bf16 rows, or blocks read in registers.
 template <typename WT, int MR, int NR>
@@ -127,13 +131,23 @@ inline void any_tile(const float* x, int64_t K, const WT* w, float* y, int64_t l
     tile<WT, MR, NR>(x, K, w, y, ldy, bias);
 }
 
-// Every row of x against NR rows of W, two rows of x at a time (four for blocks: each dequantized block then
-// serves more rows; block tiles are only 2 W rows wide there).
+// Every row of x against NR rows of W, two rows of x at a time. Blocks (read in registers): up to 8 rows in one
+// tile, so a block is dequantized once for all of them (a speculative verify step's 5 rows, as 4 + 1, dequantized
+// every block twice: 25-30% slower).
 template <typename WT, int NR>
 inline void rows(const float* x, int64_t M, int64_t K, const WT* w, float* y, int64_t N, const float* bias) {
   int64_t m = 0;
-  if constexpr (kBlocks<WT>)
-    for (; m + 4 <= M; m += 4) any_tile<WT, 4, NR>(x + m * K, K, w, y + m * N, N, bias);
+  if constexpr (kBlocks<WT>) {
+    for (; m + 8 <= M; m += 8) any_tile<WT, 8, NR>(x + m * K, K, w, y + m * N, N, bias);
+    switch (M - m) {
+      case 7: return any_tile<WT, 7, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 6: return any_tile<WT, 6, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 5: return any_tile<WT, 5, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 4: return any_tile<WT, 4, NR>(x + m * K, K, w, y + m * N, N, bias);
+      case 3: return any_tile<WT, 3, NR>(x + m * K, K, w, y + m * N, N, bias);
+      default: break;
+    }
+  }
   for (; m + 2 <= M; m += 2) any_tile<WT, 2, NR>(x + m * K, K, w, y + m * N, N, bias);
   if (m < M) any_tile<WT, 1, NR>(x + m * K, K, w, y + m * N, N, bias);
 }
@@ -158,14 +172,14 @@ void run(const float* x, const WT* w, const float* bias, float* y, int64_t M, in
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks)));
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> deq(kBlocks<WT> && !kInRegisters<WT> ? NR * K : 0);
+    std::vector<float> deq(kBlocks<WT> && !in_registers<WT>(M) ? NR * K : 0);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n = b * NR, nr = std::min<int64_t>(NR, N - n);
       const float* bn = bias ? bias + n : nullptr;
       if constexpr (kBlocks<WT>) {
         const WT* wn = w + n * (K / 32);
-        if constexpr (kInRegisters<WT>) {
+        if (in_registers<WT>(M)) {
           row_block<WT, NR>(x, M, K, wn, nr, y + n, N, bn);
         } else {
           dequant_rows(wn, nr, K, deq.data());
@@ -297,16 +311,19 @@ void run_panels(const float* x, const WT* w, const float* bias, float* y, int64_
 }
 
 // Rows of W per tile. fp32 / bf16 rows and the dequantization buffer: 8 for one row of x (more loads in flight),
-// else 4 (the 2x4 tile fits the registers). Blocks read in registers: 4 for one row of x, else 2 (4 x 2 tiles);
-// more spilled the accumulators (30% slower). From PANEL_MIN_ROWS rows on, the outer-product panels.
+// else 4 (the 2x4 tile fits the registers). Q4_1 blocks: 4 for up to 3 rows of x (at least 8 accumulators keep
+// both FMA pipes busy through their 4-cycle latency), else 2 (up to 8 x 2 tiles); Q8_0 blocks from 5 rows: 1 (the
+// fastest measured). From PANEL_MIN_ROWS rows on, the outer-product panels.
 template <typename WT>
 void dispatch(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (M >= PANEL_MIN_ROWS)
     run_panels<WT>(x, w, bias, y, M, N, K);
-  else if (M == 1 && !kInRegisters<WT>)
+  else if (M == 1 && !in_registers<WT>(M))
     run<WT, 8>(x, w, bias, y, M, N, K);
-  else if (M > 1 && kInRegisters<WT>)
+  else if (M > 3 && std::is_same_v<WT, BlockQ4_1>)
     run<WT, 2>(x, w, bias, y, M, N, K);
+  else if (in_registers<WT>(M) && std::is_same_v<WT, BlockQ8_0>)
+    run<WT, 1>(x, w, bias, y, M, N, K);
   else
     run<WT, 4>(x, w, bias, y, M, N, K);
 }
