@@ -2,7 +2,9 @@
 
 The kernel (``csrc/paged_attention.cpp``) is built on first use with
 ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``) and cached under
-``~/.cache/torch_extensions``. Work is split over (sequence, query tile, kv head) with OpenMP;
+``~/.cache/torch_extensions``. Work is split over (sequence, query tile, kv head) with OpenMP, and
+decodes over long contexts also over parts of the context (split-K, combined in the kernel; the parts
+depend on the sequence alone, so its output does not change with the batch or the thread count);
 the ``group`` query heads of a kv head are computed together so each K/V row is read once;
 softmax is online with fp32 accumulation; caches may be fp32 or bf16, or int8 / fp8
 (:class:`~pagedllm.kv.kv_quant.QuantizedKV`: the kernel quantizes the rows it writes and dequantizes the

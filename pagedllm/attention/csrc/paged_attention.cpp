@@ -21,6 +21,7 @@
 
 #include <omp.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -496,6 +497,14 @@ constexpr int64_t SPLIT_MIN_KEYS = 512;  // a multiple of CHUNK
 constexpr int64_t SPLIT_PARTS = 4;
 constexpr int64_t SPLIT_MAX_Q = 8;
 
+constexpr std::chrono::microseconds JOIN_SPIN{200};
+
+inline void spin_pause() {
+#ifdef PAGEDLLM_X86
+  _mm_pause();
+#endif
+}
+
 struct Item {
   int32_t seq, q_begin, q_end, kv_head;  // q_begin/q_end: offsets inside the sequence's queries
   int32_t k_begin, k_end;                // the keys it attends: [k_begin, k_end), k_end <= last query's position + 1
@@ -548,8 +557,10 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
   constexpr bool kv_is_float = std::is_same_v<kvscalar_t, float>;
   constexpr bool kv_is_int8 = std::is_same_v<kvscalar_t, Int8Code>;
   const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t block_bytes = block_size * ks1 * static_cast<int64_t>(sizeof(kvscalar_t));  // one head's K
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   std::vector<int32_t> parts_done(splits.size(), 0);
+  int64_t items_done = 0;
   // row r of an item (r = qi * group + g) is token qsl[seq] + q_begin + qi, head kv_head * group + g
   auto out_row = [&](const Item& w, int64_t r) {
     return op + (qsl[w.seq] + w.q_begin + r / group) * os0 + (w.kv_head * group + r % group) * os1;
@@ -608,26 +619,29 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
       for (int64_t c0 = w.k_begin; c0 < kv_end; c0 += CHUNK) {
         const int64_t n = std::min(CHUNK, kv_end - c0);
         // start loading the next chunk's K/V while this one is computed, where the hardware prefetcher can't guess
-        // it: a block that does not follow the previous one in the pool, or that starts a 4 KB page (prefetchers
-        // stop at pages). Prefetching the rest too made int8 decodes over consecutive blocks 45% slower (8k
-        // context, one thread); without any, scattered blocks were 35% slower (int8) and 15% (fp32).
-        for (int64_t lp = c0 + CHUNK, stop = std::min(c0 + 2 * CHUNK, kv_end); lp < stop;) {
-          const int64_t off = lp % block_size, cnt = std::min(block_size - off, stop - lp), lb = lp / block_size;
+        // it: a block that does not follow the previous one in the pool, or one of a page or more (fp32 at head_dim
+        // 64) that starts a page. Measured at 8k context, one thread (Zen 5): prefetching every block made int8
+        // over consecutive blocks 45% slower, every block that starts a page still 23%; with no prefetch at all,
+        // scattered blocks took 36% (int8) and 14% (fp32) longer, consecutive fp32 blocks 15%.
+        // (blocks are walked from the chunk's first: one 64-bit division per chunk, not one per block or key)
+        const int64_t stop = std::min(c0 + 2 * CHUNK, kv_end);
+        for (int64_t lp = c0 + CHUNK, lb = lp / block_size, off = lp - lb * block_size; lp < stop; ++lb, off = 0) {
+          const int64_t cnt = std::min(block_size - off, stop - lp);
           const int64_t slot0 = static_cast<int64_t>(table[lb]) * block_size + off;
           const char* kr = reinterpret_cast<const char*>(kp + w.kv_head * ks0 + slot0 * ks1);
           const char* vr = reinterpret_cast<const char*>(vp + w.kv_head * vs0 + slot0 * vs1);
           lp += cnt;
-          if (lb > 0 && table[lb] == table[lb - 1] + 1 && (reinterpret_cast<uintptr_t>(kr) & 4095) != 0) continue;
+          const bool page_start = block_bytes >= 4096 && (reinterpret_cast<uintptr_t>(kr) & 4095) == 0;
+          if (lb > 0 && table[lb] == table[lb - 1] + 1 && !page_start) continue;
           for (int64_t b = 0; b < cnt * ks1 * static_cast<int64_t>(sizeof(kvscalar_t)); b += 64) {
             __builtin_prefetch(kr + b, 0, 3);
             __builtin_prefetch(vr + b, 0, 3);
           }
         }
-      // the chunk's K/V row pointers, one block-table lookup per block (not per key: 64-bit division is slow)
-        for (int64_t o = 0; o < n;) {
-          const int64_t lp = c0 + o, off = lp % block_size;
+        // the chunk's K/V row pointers, one block-table lookup per block
+        for (int64_t o = 0, lb = c0 / block_size, off = c0 - lb * block_size; o < n; ++lb, off = 0) {
           const int64_t cnt = std::min(block_size - off, n - o);
-          const int64_t blk = table[lp / block_size], slot0 = blk * block_size + off;
+          const int64_t blk = table[lb], slot0 = blk * block_size + off;
           const kvscalar_t* kr = kp + w.kv_head * ks0 + slot0 * ks1;
           const kvscalar_t* vr = vp + w.kv_head * vs0 + slot0 * vs1;
           [[maybe_unused]] float sk = 0.f, sv = 0.f;
@@ -665,7 +679,7 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
           const int64_t nv = std::min(n, pos[r] - c0 + 1);  // causal: keys of the chunk the row sees
           float* sr = s.data() + r * CHUNK;
           const float mx = max_of(sr, nv, m[r]);
-          const float corr = std::exp(m[r] - mx);  // m[r] = -inf on the first chunk -> 0
+          const float corr = mx == m[r] ? 1.f : std::exp(m[r] - mx);  // m[r] = -inf on the first chunk -> 0
           // int8: the V rows' block scales fold into the weights, after the sum
           const float sum = exp_sub_sum(sr, nv, mx, kv_is_int8 ? vmul : nullptr);
           std::fill(sr + nv, sr + n, 0.f);  // hidden keys weigh nothing in pv_block
@@ -685,13 +699,22 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
         std::copy(acc.begin(), acc.begin() + R * D, pp + 2 * R);
         const Split& sp = splits[w.split];
         if (__atomic_add_fetch(&parts_done[w.split], 1, __ATOMIC_ACQ_REL) == sp.count) combine(sp, obuf);
-        continue;
+      } else {
+        for (int64_t r = 0; r < R; ++r) {
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) obuf[d] = acc[r * D + d] * inv;
+          float_to_row(obuf.data(), out_row(w, r), D);
+        }
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const float inv = 1.f / l[r];
-        for (int64_t d = 0; d < D; ++d) obuf[d] = acc[r * D + d] * inv;
-        float_to_row(obuf.data(), out_row(w, r), D);
-      }
+      __atomic_add_fetch(&items_done, 1, __ATOMIC_RELEASE);
+    }
+    // The calling thread waits for the other threads' last items spinning (for at most JOIN_SPIN), so it reaches
+    // the region's closing barrier last and passes it without sleeping: under pagedllm's OMP_WAIT_POLICY=PASSIVE
+    // a sleeping thread takes 25-45 us to wake, about what one layer's int8 attention at 8k takes.
+    if (omp_get_thread_num() == 0) {
+      const auto deadline = std::chrono::steady_clock::now() + JOIN_SPIN;
+      while (__atomic_load_n(&items_done, __ATOMIC_ACQUIRE) < n_items && std::chrono::steady_clock::now() < deadline)
+        spin_pause();
     }
   }
 }
