@@ -2,8 +2,10 @@
 
 The kernel (``pagedllm/ops/csrc/paged_attention.cpp``, ops ``torch.ops.pagedllm.write_kv / attend_qkv /
 paged_attention_out``) is built at set-up or on first use (:mod:`pagedllm.native`). Work is split over
-(sequence, query tile, kv head) with OpenMP; the ``group`` query heads of a kv head are computed together so
-each K/V row is read once; softmax is online with fp32 accumulation; caches may be fp32 or bf16, or int8 / fp8
+(sequence, query tile, kv head) with OpenMP, and decodes over long contexts also over parts of the context
+(split-K, combined in the kernel; the parts depend on the sequence alone, so its output does not change with the
+batch or the thread count); the ``group`` query heads of a kv head are computed together so each K/V row is read
+once; softmax is online with fp32 accumulation; caches may be fp32 or bf16, or int8 / fp8
 (:class:`~pagedllm.kv.kv_quant.QuantizedKV`: the kernel quantizes the rows it writes and dequantizes the
 rows it reads, chunk by chunk in L1; the pool is never dequantized into a copy).
 
