@@ -25,7 +25,6 @@ from pagedllm.attention.reference import gather_sequence_kv
 from pagedllm.kv.kv_quant import QuantizedKV
 
 
-
 def load_kernel() -> None:
     """Build (first time, ~1 min) or load the cached C++ kernel's ops; RuntimeError if it cannot be built."""
     try:

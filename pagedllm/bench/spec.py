@@ -55,11 +55,16 @@ class _Side:
         return self.decode_tokens / self.decode_wall if self.decode_wall > 0 else 0.0
 
 
+def _copy_cap(args) -> int:
+    """The copy workload's output cap (its answers end at EOS before it)."""
+    return args.max_tokens or (16 if args.quick else 320)
+
+
 def _workloads(tok, args, num: int) -> dict[str, tuple[list[list[int]], list[int], bool]]:
     """name -> (prompts, max_tokens, ignore_eos). The copy answers end at EOS; W1 decodes its set lengths."""
     from pagedllm.spec_decode.replay import copy_workload
 
-    n_out = args.max_tokens or (16 if args.quick else 320)
+    n_out = _copy_cap(args)
     w = W1_QUICK if args.quick else W1
     reqs = random_requests(tok, num, w["prompt_range"], w["output_range"], seed=args.seed)
     return {"copy": (copy_workload(tok, num, seed=args.seed), [n_out] * num, False),
@@ -132,7 +137,7 @@ def run(args) -> Report:
     rep = Report("spec", f"speculative decoding ({args.method}, k={args.k}) vs none, greedy, same run", [
         f"{num} requests per workload and batch size, in groups of the batch size; {rounds} round(s), off and on "
         "alternating group by group; copy = fix the typos of a Wikipedia paragraph and return it (ends at EOS, "
-        f"cap {args.max_tokens or (16 if args.quick else 320)} tokens), W1 = its prompt / output lengths",
+        f"cap {_copy_cap(args)} tokens), W1 = its prompt / output lengths",
         "tok/s = output tokens / wall time of LLM.generate; speedup = on / off tok/s; decode speedup = the same "
         "after each group's first token; cpu speedup = process CPU time off / on (the work, whatever the load)",
         "acceptance = kept drafts / drafts; mean accepted len = tokens gained per drafted step",

@@ -34,10 +34,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
 
     With ``upcast`` the weight is low precision and the math runs in fp32 on fp32 activations: on
     CPUs without native bf16 that is ~4x faster than a bf16 GEMM and more accurate. fp32 activations
-    on the CPU go to the C++ kernel (``ops/csrc/gemm.cpp``; ATen where it can't be built, e.g. without AVX2) at
-    every batch size: it streams the weights
-    near memory bandwidth for decode steps and beats MKL and oneDNN by 10-40% on larger batches here
-    (2-core EPYC, AVX2). GGUF block weights: see ``models/quant.py``.
+    on the CPU go to the C++ kernel (``ops/csrc/gemm.cpp``; ATen where it can't be built, e.g. without AVX2)
+    at every batch size: it streams the weights near memory bandwidth for decode steps and beats MKL and
+    oneDNN by 10-40% on larger batches here (2-core EPYC, AVX2). GGUF block weights: see ``models/quant.py``.
     """
     if isinstance(w, QuantizedWeight):
         return quantized_linear(x, w, b)

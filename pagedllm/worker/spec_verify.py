@@ -36,7 +36,8 @@ def verify_drafts(logits: torch.Tensor, firsts: list[int], drafts: list[list[int
     of the step's float32 logits ``[N, vocab]``; returns per sequence the kept drafts plus the target's
     token, and each token's logprob under the raw model."""
     counts = torch.tensor([len(d) + 1 for d in drafts])
-    rows = _spans(torch.tensor(firsts), counts)
+    starts = torch.tensor(firsts)
+    rows = _spans(starts, counts)
     width = int(counts.max()) - 1
     draft_ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.int64).reshape(len(drafts), width)
     num_drafts = counts - 1
@@ -50,5 +51,5 @@ def verify_drafts(logits: torch.Tensor, firsts: list[int], drafts: list[list[int
         kept = verify(pad_flat(torch.cat(dists), counts.tolist()), draft_ids, num_drafts, greedy, None, generators)
     lens = torch.tensor([len(t) for t in kept])
     tokens = torch.tensor(list(chain.from_iterable(kept)))
-    lp = logits[_spans(torch.tensor(firsts), lens)].log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    lp = logits[_spans(starts, lens)].log_softmax(-1).gather(1, tokens[:, None])[:, 0]
     return [(toks, x.tolist()) for toks, x in zip(kept, lp.split(lens.tolist()))]
