@@ -2,7 +2,7 @@
 torch is importable where the package is built: ``pip install --no-build-isolation .`` (or ``-e .``). An
 isolated build (pip's default) has no torch, and must not get one (a CUDA torch is gigabytes, and the torch
 that runs the kernels is the one installed beside them): it skips the kernels, which are then built on first
-use, or by ``scripts/setup.sh``. See ``pagedllm/native.py`` for how a start picks the ahead-of-time library."""
+use, or by ``scripts/setup.sh``. See ``pagedllm/ops/build.py`` for how a start picks the ahead-of-time library."""
 
 import importlib.util
 from pathlib import Path

@@ -22,18 +22,18 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # are enough for our threads. Read at process start: it bounds the engine-core and worker processes.
 os.environ.setdefault("MALLOC_ARENA_MAX", "2")
 
-__version__ = "0.1.0"
-
-from pagedllm.engine import EngineArgs, RequestOutput, SamplingParams  # noqa: E402
+from pagedllm.config.args import EngineArgs  # noqa: E402
+from pagedllm.config.version import __version__  # noqa: E402
+from pagedllm.protocol import RequestOutput, SamplingParams  # noqa: E402
 
 
 def __getattr__(name: str):
     """``LLM`` loads torch models; import it lazily so ``import pagedllm`` stays cheap."""
     if name == "LLM":
-        from pagedllm.llm import LLM
+        from pagedllm.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "__version__"]

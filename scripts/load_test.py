@@ -90,7 +90,7 @@ def wait_idle(http: httpx.Client, timeout: float) -> dict[str, float]:
 
 
 def start_server(port: int, serve_args: list[str], log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     print("starting:", shlex.join(cmd), flush=True)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 

@@ -34,7 +34,7 @@ from pagedllm.models.loader import load_checkpoint
 load_checkpoint(None)
 import shutil
 if shutil.which('c++') or shutil.which('g++'):
-    from pagedllm.native import build_all
+    from pagedllm.ops.build import build_all
     for name, status in build_all().items():
         print(f'kernel {name}: {status}')
 "

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from pagedllm.cli import build_parser
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.args_help import parse_size
+from pagedllm.entrypoints.cli import build_parser
+from pagedllm.config.args import EngineArgs
+from pagedllm.config.args_help import parse_size
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:

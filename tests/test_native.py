@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm import native
+from pagedllm.ops import build as native
 
 PKG = Path(native.__file__).parent
 
@@ -82,7 +82,7 @@ def test_without_a_compiler_a_kernel_runs_if_it_was_built_ahead_of_time(tmp_path
 
 _LOAD = """
 import json, torch
-from pagedllm import native, ops
+from pagedllm.ops import build as native, ops
 assert all(ops.load(k) for k in ops.KERNELS)
 x = torch.randn(2, 64)
 torch.testing.assert_close(torch.ops.pagedllm.silu_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])

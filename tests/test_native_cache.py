@@ -18,7 +18,7 @@ SOURCE = textwrap.dedent("""
     #include <pybind11/pybind11.h>
     extern "C" int answer() { return 42; }
 """)
-BUILD = "import ctypes, sys; from pathlib import Path; from pagedllm.native import load_library; " \
+BUILD = "import ctypes, sys; from pathlib import Path; from pagedllm.ops.build import load_library; " \
         "print(ctypes.CDLL(str(load_library('pagedllm_test_tiny', Path(sys.argv[1])))).answer())"
 
 
@@ -71,7 +71,7 @@ def test_a_build_killed_midway_is_followed_by_a_clean_start(tmp_path):
 
 
 def test_builds_are_keyed_by_the_environment(tmp_path, monkeypatch):
-    from pagedllm import native
+    from pagedllm.ops import build as native
 
     src = tmp_path / "k.cpp"
     src.write_text(SOURCE)

@@ -1,7 +1,7 @@
 """CPU backend: a C++ paged-attention kernel reading K/V in place through the block tables.
 
 The kernel (``pagedllm/ops/csrc/paged_attention.cpp``, ops ``torch.ops.pagedllm.write_kv / attend_qkv /
-paged_attention_out``) is built at set-up or on first use (:mod:`pagedllm.native`). Work is split over
+paged_attention_out``) is built at set-up or on first use (:mod:`pagedllm.ops.build`). Work is split over
 (sequence, query tile, kv head) with OpenMP, and decodes over long contexts also over parts of the context
 (split-K, combined in the kernel; the parts depend on the sequence alone, so its output does not change with the
 batch or the thread count); the ``group`` query heads of a kv head are computed together so each K/V row is read

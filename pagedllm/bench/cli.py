@@ -38,7 +38,7 @@ BENCHES = {
 def _engine_overrides(items: list[str]) -> dict:
     import dataclasses
 
-    from pagedllm.engine.args import EngineArgs
+    from pagedllm.config.args import EngineArgs
 
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
     out = {}
@@ -48,7 +48,7 @@ def _engine_overrides(items: list[str]) -> dict:
         k, v = it.split("=", 1)
         k = k.replace("-", "_")
         if k not in fields:
-            raise SystemExit(f"unknown engine arg {k!r}; see pagedllm/engine/args.py")
+            raise SystemExit(f"unknown engine arg {k!r}; see pagedllm/config/args.py")
         default = fields[k].default
         if isinstance(default, bool):
             out[k] = v.lower() in ("1", "true", "yes", "on")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and not {"kv_cache_memory", "num_blocks"} & set(args.engine_args):
         args.engine_args["kv_cache_memory"] = 256 << 20  # tiny runs: skip zeroing a multi-GB pool
     from pagedllm.bench.report import emit
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
 
     if args.threads:
         import torch

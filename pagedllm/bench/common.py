@@ -74,13 +74,13 @@ def make_llm(dtype: str = "auto", seed: int = 0, **engine_args):
     """A fresh ``LLM``; with ``REUSE_ENGINES`` (smoke tests: loading the weights dominates the tiny
     --quick runs) an engine with the same non-scheduler settings is reused and its scheduler settings
     are switched in place."""
-    from pagedllm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     if not REUSE_ENGINES:
         return LLM(dtype=dtype, seed=seed, **engine_args)
     import dataclasses
 
-    from pagedllm.engine.args import EngineArgs
+    from pagedllm.config.args import EngineArgs
 
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     fixed = tuple(sorted((k, v) for k, v in engine_args.items() if k not in _SCHED_FIELDS and defaults.get(k) != v))
@@ -102,7 +102,7 @@ def make_llm(dtype: str = "auto", seed: int = 0, **engine_args):
 
 def engine_warmup(llm, n: int = 2) -> None:
     """One short request so first-call costs (allocations, backend setup) stay out of the timings."""
-    from pagedllm import SamplingParams
+    from pagedllm.protocol import SamplingParams
 
     eng = llm.engine
     ids = eng.tokenizer.encode("Warm up the engine with a short prompt.", add_special_tokens=False)
@@ -169,7 +169,7 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
 
     Returns timings from each request's metrics plus the peak KV blocks in use.
     """
-    from pagedllm import SamplingParams
+    from pagedllm.protocol import SamplingParams
 
     eng = llm.engine
     stats0 = (eng.stats.prompt_tokens_computed, eng.stats.prompt_tokens_cached, eng.stats.num_steps,
@@ -212,7 +212,7 @@ def run_engine(llm, reqs: list[BenchRequest], system: str = "pagedllm", ignore_e
         res.tpot_s.append(m.time_per_output_token(n))
     from pagedllm.kv.kv_cache import KVCache
 
-    cfg, kv_cache = eng.runner.model.config, eng.runner.kv_cache
+    cfg, kv_cache = eng.forward_pass.model.config, eng.forward_pass.kv_cache
     bpb = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eng.kv.block_size, kv_cache.dtype)
     res.peak_mb = mem.peak_mb if mem else None
     res.extra = {

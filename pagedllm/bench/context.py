@@ -76,7 +76,7 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
 
 
 def run(args) -> Report:
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
     q = args.quick

@@ -1,7 +1,7 @@
 """``pagedllm bench decode``: per-step decode time of the batched forward pass at batch 1/8/32/64
 for every attention backend, side by side with HF ``generate`` (DynamicCache) on the same weights.
 
-Each sequence holds a ``--context``-token prompt; our time is one ModelRunner step (every sequence
+Each sequence holds a ``--context``-token prompt; our time is one ForwardPass step (every sequence
 decodes one token, attention reading the paged pool); HF's is the time between consecutive forward passes
 inside one ``generate`` call. Both: the median over ``--steps`` steps after a warm-up step.
 """
@@ -27,9 +27,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 @torch.inference_mode()
 def _ours(model, kv_cache, backend, batch: int, context: int, steps: int) -> float:
     """Median seconds per decode step of ``batch`` sequences after a ``context``-token prefill."""
-    from pagedllm.model_runner import ModelRunner, SeqChunk
+    from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 
-    runner = ModelRunner(model, kv_cache, backend)
+    runner = ForwardPass(model, kv_cache, backend)
     bs = kv_cache.block_size
     per_seq = -(-(context + steps + 2) // bs)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -74,7 +74,7 @@ def run(args) -> Report:
     from transformers import AutoModelForCausalLM
 
     from pagedllm.attention import BACKENDS, get_backend
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
     from pagedllm.kv import KVCache
     from pagedllm.models.llama import LlamaForCausalLM
     from pagedllm.models.loader import load_checkpoint

@@ -73,7 +73,7 @@ def _free_port() -> int:
 def start_server(args, port: int, timeout: float = 240.0) -> tuple[subprocess.Popen | None, str]:
     import httpx
 
-    cmd = [sys.executable, "-m", "pagedllm.cli", "--log-level", "warning", "serve", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "warning", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", args.dtype, "--seed", str(args.seed)]
     for k, v in args.engine_args.items():
         flag = "--" + k.replace("_", "-")
@@ -204,7 +204,7 @@ def serving(args, tokenizer) -> tuple[list[list], dict, list[str]]:
 
 
 def run(args) -> Report:
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
     rows, demo_res = demo(args)

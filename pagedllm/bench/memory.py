@@ -61,7 +61,7 @@ def paged_blocks(lengths: list[tuple[int, int]], block_size: int, pbar: bool = F
 def run(args) -> Report:
     import torch
 
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
     from pagedllm.kv.kv_cache import KVCache
     from pagedllm.models.loader import load_checkpoint
 

@@ -74,7 +74,7 @@ def compare(model_path: str | None, tokens: int, window: int, chunk: int, dtype:
     from transformers import AutoModelForCausalLM
 
     from pagedllm.attention import default_backend, get_backend
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
     from pagedllm.kv import KVCache
     from pagedllm.models.llama import LlamaForCausalLM
     from pagedllm.models.loader import load_checkpoint

@@ -72,7 +72,7 @@ def run_chat(llm, tok, convs: int, turns: int, sys_tokens: int, out: int, seed: 
 
 
 def run(args) -> Report:
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
     q = args.quick

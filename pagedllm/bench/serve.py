@@ -65,7 +65,7 @@ def workload(tokenizer, args) -> tuple[list[BenchRequest], list[float]]:
 
 async def drive(engine, reqs: list[BenchRequest], arrivals: list[float], tag: str) -> list[dict]:
     """Send each request at its arrival time; per request: TTFT, per-token gaps, tokens, error."""
-    from pagedllm.engine.sampling_params import SamplingParams
+    from pagedllm.protocol.sampling_params import SamplingParams
 
     t0 = time.monotonic()
 
@@ -94,7 +94,7 @@ async def drive(engine, reqs: list[BenchRequest], arrivals: list[float], tag: st
 def start(index: int, eargs):
     """System ``index``'s front end (started, warmed up by the caller)."""
     if index == 0:
-        from pagedllm.engine.async_engine import AsyncEngine
+        from pagedllm.frontend.async_engine import AsyncEngine
 
         return AsyncEngine(eargs)
     from pagedllm.scaleout.config import ScaleOutConfig
@@ -131,7 +131,8 @@ def summarize(results: list[dict], wall: float, stats: dict) -> dict:
 
 
 def run(args) -> Report:
-    from pagedllm.engine.args import EngineArgs, resolve_dtype
+    from pagedllm.config.args import EngineArgs
+    from pagedllm.config.device import resolve_dtype
     from pagedllm.models.loader import load_tokenizer
 
     eargs = EngineArgs(dtype=args.dtype, seed=args.seed, **args.engine_args)

@@ -62,7 +62,7 @@ def _copy_cap(args) -> int:
 
 def _workloads(tok, args, num: int) -> dict[str, tuple[list[list[int]], list[int], bool]]:
     """name -> (prompts, max_tokens, ignore_eos). The copy answers end at EOS; W1 decodes its set lengths."""
-    from pagedllm.spec_decode.replay import copy_workload
+    from pagedllm.bench.spec_replay import copy_workload
 
     n_out = _copy_cap(args)
     w = W1_QUICK if args.quick else W1
@@ -72,7 +72,7 @@ def _workloads(tok, args, num: int) -> dict[str, tuple[list[list[int]], list[int
 
 
 def _run(llm, prompts: list[list[int]], lens: list[int], ignore_eos: bool):
-    from pagedllm import SamplingParams
+    from pagedllm.protocol import SamplingParams
 
     llm.reset_prefix_cache()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in lens]

@@ -68,7 +68,7 @@ def _structured_step_s(tokenizer, vocab: int, eos: list[int], batch: int, steps:
 def run(args) -> Report:
     from pagedllm.attention import get_backend
     from pagedllm.bench.decode import _ours
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
     from pagedllm.kv import KVCache
     from pagedllm.models.llama import LlamaForCausalLM
     from pagedllm.models.loader import load_checkpoint

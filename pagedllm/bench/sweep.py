@@ -18,7 +18,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> Report:
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
     sizes = [int(x) for x in (args.batch_sizes or ("1,2,4" if args.quick else "1,2,4,8,16,32,64")).split(",")]

@@ -18,7 +18,7 @@ from pagedllm.bench.common import (
 )
 from pagedllm.bench.report import Report, Table, emit
 from pagedllm.bench.workloads import W1, W1_QUICK, BenchRequest, corpus, random_requests
-from pagedllm.engine.args import resolve_dtype
+from pagedllm.config.device import resolve_dtype
 from pagedllm.models.quant import kernel_available
 
 ALL_BASELINES = ("hf-dynamic", "hf-static", "hf-cb", "llama-cpp", "vllm")
@@ -112,11 +112,11 @@ def run(args) -> Report:
     engine_warmup(llm)
 
     a8_llm = None
-    a8_possible = llm.engine.runner.model.quantization == "gguf" and kernel_available(int8_activations=True)
+    a8_possible = llm.engine.forward_pass.model.quantization == "gguf" and kernel_available(int8_activations=True)
     if args.a8 and not a8_possible:
         raise SystemExit("--a8 needs a GGUF model kept in its blocks with fp32 activations (--dtype float32) and the "
                          f"int8 kernel; this run has dtype {dtype} and quantization "
-                         f"{llm.engine.runner.model.quantization!r}")
+                         f"{llm.engine.forward_pass.model.quantization!r}")
     if a8_possible:
         small = {} if args.a8 else {"num_blocks": 64}  # batch-1 only: a small pool
         a8_llm = make_llm(args.dtype, seed=args.seed, **{**args.engine_args, "quantization": "gguf-a8", **small})
@@ -205,7 +205,7 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
     mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
     eng = llm.engine.args
-    quantization = llm.engine.runner.model.quantization
+    quantization = llm.engine.forward_pass.model.quantization
     notes = [
         f"Workload {'W1' if is_w1 else 'W1 scaled down'}: {w['num']} requests, prompt {w['prompt_range'][0]}-"
         f"{w['prompt_range'][1]} tokens (mean {mean_p:.0f}), output {w['output_range'][0]}-{w['output_range'][1]} "

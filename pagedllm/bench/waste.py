@@ -28,7 +28,7 @@ def _short(s: str, n: int = 30) -> str:
 
 
 def run(args) -> Report:
-    from pagedllm.engine.args import resolve_dtype
+    from pagedllm.config.device import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
     cap = args.max_tokens or (24 if args.quick else 200)

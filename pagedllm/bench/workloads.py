@@ -135,7 +135,7 @@ W1_QUICK = dict(num=6, prompt_range=(8, 48), output_range=(4, 16))
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Chat template applied, as token ids (generation prompt appended)."""
-    from pagedllm.llm import apply_chat_template
+    from pagedllm.entrypoints.llm import apply_chat_template
 
     return apply_chat_template(tokenizer, messages)
 

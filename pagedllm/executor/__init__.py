@@ -3,7 +3,7 @@ tensor-parallel ranks, or as ranks ``torchrun`` launched (``external_launcher``)
 
 from __future__ import annotations
 
-from pagedllm.engine.args import EngineArgs
+from pagedllm.config.args import EngineArgs
 from pagedllm.executor.base import Executor
 
 EXECUTORS = ("uni", "mp", "external_launcher")

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.worker import KVCacheSpec
 
 

@@ -13,10 +13,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedllm.config.args import EngineArgs
+from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput, decode, encode
 from pagedllm.executor.base import Executor
-from pagedllm.executor.multiproc import WorkerError
+from pagedllm.protocol.errors import WorkerError
 
 log = logging.getLogger("pagedllm.executor")
 

@@ -13,17 +13,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedllm.config.args import EngineArgs
+from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedllm.protocol.errors import WorkerError
 from pagedllm.executor.base import Executor, build_in_child
 
 log = logging.getLogger("pagedllm.executor")
 
 POLL_S = 0.5  # how often a waiting core checks that the worker process is still alive
-
-
-class WorkerError(RuntimeError):
-    """The worker process failed; the message carries its traceback."""
 
 
 def serve_steps(worker, conn: Connection) -> None:

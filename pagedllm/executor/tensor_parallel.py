@@ -10,10 +10,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput, encode
+from pagedllm.config.args import EngineArgs
+from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput, encode
 from pagedllm.executor.base import Executor, build_in_child
-from pagedllm.executor.multiproc import WorkerError, serve_steps, step_result, wait_for
+from pagedllm.protocol.errors import WorkerError
+from pagedllm.executor.multiproc import serve_steps, step_result, wait_for
 
 
 def _rank_main(args: EngineArgs, rank: int, port: int, threads: int, conn) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.config.args import EngineArgs
+from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.base import Executor
 from pagedllm.worker.worker import Worker
 

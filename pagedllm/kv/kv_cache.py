@@ -19,7 +19,9 @@ import os
 
 import torch
 
-from pagedllm.kv.kv_quant import QuantizedKV, is_quantized, raw, resolve_kv_cache_dtype, scale_bytes_per_block_head
+from pagedllm.kv.kv_quant import QuantizedKV, is_quantized, raw, scale_bytes_per_block_head
+
+from pagedllm.config.device import resolve_kv_cache_dtype
 
 log = logging.getLogger(__name__)
 

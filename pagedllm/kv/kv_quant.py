@@ -27,32 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-# names accepted by EngineArgs.kv_cache_dtype (besides "auto") -> storage dtype
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_DTYPES = (torch.int8, *FP8_DTYPES)
 INT8_MAX = 127.0
-
-
-def resolve_kv_cache_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Storage dtype for a ``kv_cache_dtype`` name (or a dtype, returned as is); ValueError otherwise."""
-    if isinstance(name, torch.dtype):
-        if name not in KV_CACHE_DTYPES.values():
-            raise ValueError(f"kv_cache_dtype {name} is not supported; choose {', '.join(KV_CACHE_DTYPES)}")
-        return name
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[name]
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

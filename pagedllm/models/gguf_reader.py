@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from pagedllm.models.quant import BLOCK_BYTES, QuantizedWeight
+from pagedllm.models.quant import QuantizedWeight
+from pagedllm.ops.gguf_blocks import BLOCK_BYTES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

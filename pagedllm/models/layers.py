@@ -17,17 +17,6 @@ from pagedllm.models.quant import QuantizedWeight, quantized_linear
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 GEMMs run natively (faster than fp32); without them they are
-    emulated and several times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None,
            upcast: bool = False) -> torch.Tensor:
     """``F.linear`` over a flat batch ``x [T, K]``.

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, cpu_has_native_bf16, linear,
-                                    rms_norm, rope_cos_sin, silu_mul)
+from pagedllm.config.device import cpu_has_native_bf16
+from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, linear, rms_norm, rope_cos_sin,
+                                    silu_mul)
 from pagedllm.models.quant import QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_norm = _param(E, dtype=act_dtype)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, E, dtype=dtype)
         self.down_weight = _param(E, cfg.intermediate_size, dtype=dtype)
-        # tensor parallelism (pagedllm.distributed.sharding): the group summing the row-parallel outputs of
+        # tensor parallelism (pagedllm.models.sharding): the group summing the row-parallel outputs of
         # o and down; None when unsharded
         self.tp: TPGroup | None = None
 
@@ -121,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.quantization = "none"  # "gguf" / "gguf-a8" once use_gguf_blocks swapped the matrices in
         # tensor parallelism: this rank's vocab rows [start, end) of embed / lm_head, and the group that
-        # assembles the full embedding rows and logits (None when unsharded); see pagedllm.distributed.sharding
+        # assembles the full embedding rows and logits (None when unsharded); see pagedllm.models.sharding
         self.vocab_range = (0, cfg.vocab_size)
         self.tp: TPGroup | None = None
 

@@ -20,12 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm import ops
+from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, QUANT_NAMES
 
-# ggml type ids of the block formats the kernel reads, and their bytes per 32-weight block
-BLOCK_BYTES = {3: 20, 8: 34}  # Q4_1, Q8_0
-# bytes per 32-column block of a packed group of 8 rows (QuantizedWeight.pack_a8): the same data, 8 rows
-PACKED_BYTES = {3: 8 * 20, 8: 8 * 34}
-QUANT_NAMES = {3: "Q4_1", 8: "Q8_0"}
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
 QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8")

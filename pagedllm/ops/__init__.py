@@ -3,7 +3,7 @@
 Each ``csrc/<kernel>.cpp`` (sharing ``csrc/ops_common.h``) is one library of ops, a ``TORCH_LIBRARY_FRAGMENT`` of
 the ``pagedllm`` namespace with the CPU implementations; ``fake.py`` gives every op its fake (shape-only)
 implementation, so ``torch.compile`` and graph capture trace through them, and every schema declares what the
-op mutates. A library is built by :mod:`pagedllm.native` (ahead of time at set-up, else on first use) and
+op mutates. A library is built by :mod:`pagedllm.ops.build` (ahead of time at set-up, else on first use) and
 loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a kernel can't be built.
 
 | kernel | ops |
@@ -20,7 +20,7 @@ import functools
 import shutil
 from pathlib import Path
 
-from pagedllm import native
+from pagedllm.ops import build as native
 from pagedllm.ops import fake
 
 CSRC = Path(__file__).with_name("csrc")

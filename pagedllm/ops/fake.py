@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES
+
 _FAKES: dict[str, list[tuple[str, Callable]]] = {}  # kernel -> its ops' (name, fake)
 _registered: set[str] = set()
 
@@ -91,8 +93,6 @@ def _quantize_a8(x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @_fake("quant_a8", "pack_a8")
 def _pack_a8(wq, qtype) -> torch.Tensor:
-    from pagedllm.models.quant import BLOCK_BYTES, PACKED_BYTES  # (pagedllm.models imports pagedllm.ops)
-
     return wq.new_empty(((wq.shape[0] + 7) // 8, wq.shape[1] // BLOCK_BYTES[qtype] * PACKED_BYTES[qtype]))
 
 

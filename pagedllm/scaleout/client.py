@@ -23,9 +23,9 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.core_client import OnError, OnOutputs
-from pagedllm.engine.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.config.args import EngineArgs
+from pagedllm.frontend.core_client import OnError, OnOutputs
+from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest
 from pagedllm.scaleout import disagg
 from pagedllm.scaleout.config import HASH_KEY_ENV, ScaleOutConfig
 from pagedllm.scaleout.replica import Replica

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.engine.args import EngineArgs
+from pagedllm.config.args import EngineArgs
 from pagedllm.kv.prefix_cache import HASH_KEY_ENV  # replicas sharing prefix KV must hash blocks with one key
 from pagedllm.scaleout.router import POLICIES
 

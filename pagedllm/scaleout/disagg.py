@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedllm.engine.core_io import EngineCoreRequest
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.protocol.core_io import EngineCoreRequest
+from pagedllm.protocol.sampling_params import SamplingParams
 
 
 def prefill_request(req: EngineCoreRequest) -> EngineCoreRequest:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.engine.limits import RequestLimits
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.config.args import EngineArgs
+from pagedllm.frontend.async_engine import AsyncEngine
+from pagedllm.protocol.limits import RequestLimits
+from pagedllm.frontend.output_processor import OutputProcessor
 from pagedllm.models.loader import load_tokenizer
 from pagedllm.scaleout.client import ReplicaSetClient
 from pagedllm.scaleout.config import ScaleOutConfig

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagedllm.engine.core import EngineCore
+from pagedllm.core.engine_core import EngineCore
 
 
 @dataclass

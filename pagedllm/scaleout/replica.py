@@ -18,10 +18,10 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.core import EngineCore
-from pagedllm.engine.core_client import ThreadCoreClient
-from pagedllm.engine.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.config.args import EngineArgs
+from pagedllm.core.engine_core import EngineCore
+from pagedllm.frontend.core_client import ThreadCoreClient
+from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest
 from pagedllm.scaleout.kv_transfer import KVBlocks, TransferStats, export_prefix, import_prefix
 from pagedllm.worker.worker import KVCacheSpec
 

@@ -22,11 +22,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm import __version__
-from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.config.version import __version__
+from pagedllm.frontend.async_engine import AsyncEngine
+from pagedllm.protocol.outputs import RequestOutput
+from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.server.chat_tools import ToolPlan, render_chat, template_messages
+from pagedllm.server.errors import APIError
 from pagedllm.server.echo_logprobs import prompt_completion_logprobs
 from pagedllm.server.guards import (
     APIKeyMiddleware, HostCheckMiddleware, SizeLimitMiddleware, bad_text_field, error_response,
@@ -47,16 +48,6 @@ from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
 log = logging.getLogger("pagedllm.server")
 
 DISCONNECT_POLL_S = 0.5  # how often a request checks that its client is still there (aborted within 1 s)
-
-
-class APIError(Exception):
-    """An error the client caused (or must hear about), rendered in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
 
 class OpenAIServing:

@@ -32,8 +32,8 @@ import numpy as np
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
-from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.engine.core import EngineCore
+from pagedllm.frontend.async_engine import AsyncEngine
+from pagedllm.core.engine_core import EngineCore
 
 MAX_CELLS = 4096  # larger pools are aggregated into at most this many buckets
 STREAM_INTERVAL_S = 0.25

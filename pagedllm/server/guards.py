@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.engine.sampling_params import is_text
+from pagedllm.protocol.sampling_params import is_text
 from pagedllm.server.protocol import ErrorInfo, ErrorResponse
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as JSON text is ~1 MiB

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagedllm.engine.outputs import RequestOutput
+from pagedllm.protocol.outputs import RequestOutput
 from pagedllm.server.vllm_metrics import VLLMMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagedllm.engine.outputs import CompletionOutput
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.protocol.outputs import CompletionOutput
+from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.server.request_extras import SamplingExtras
 from pagedllm.server.tool_calls import DeltaToolCall, Tool, ToolCall, ToolChoice
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm import __version__
+from pagedllm.config.version import __version__
+from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import ModelCard
 
 router = APIRouter()
@@ -33,8 +34,6 @@ def _serving(request: Request):
 
 
 def _error(status: int, message: str, **kw) -> Exception:
-    from pagedllm.server.app import APIError  # app imports this module's router
-
     return APIError(status, message, **kw)
 
 

@@ -1,5 +1,5 @@
 """A draft model proposer: a smaller model with the target's tokenizer, run on its own paged KV
-(its own ``KVCache``, ``BlockPool`` and ``ModelRunner``), drafting greedily k tokens per step.
+(its own ``KVCache``, ``BlockPool`` and ``ForwardPass``), drafting greedily k tokens per step.
 
 The draft's KV follows the accepted history: at each step the tokens it cached are compared with
 the sequence's history, everything after the first difference (rejected drafts) is rolled back by
@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.model_runner import ModelRunner, SeqChunk
+from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.spec_decode.proposer import Proposal, Proposer, check_num_tokens
 
@@ -64,7 +64,7 @@ class DraftModelProposer(Proposer):
         cfg = model.config
         self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, kv_dtype)
         self.pool = BlockPool(num_blocks, block_size)
-        self.runner = ModelRunner(model, self.kv_cache, backend)
+        self.runner = ForwardPass(model, self.kv_cache, backend)
         self.block_size = block_size
         self.seqs: dict[str, _DraftSeq] = {}
 

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.model_runner import ModelRunner, StepStats
+from pagedllm.models.forward_pass import ForwardPass, StepStats
 
 log = logging.getLogger("pagedllm.worker")
 
@@ -79,7 +79,7 @@ def graph_capture(device: torch.device) -> GraphCapture | None:
 class DecodeGraphs:
     """Decode steps of ``runner`` through graphs captured per bucket over this object's buffers."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, scratch_block: int,
+    def __init__(self, runner: ForwardPass, max_num_seqs: int, max_model_len: int, scratch_block: int,
                  capture: GraphCapture) -> None:
         kv = runner.kv_cache
         if not 0 <= scratch_block < kv.num_blocks:
@@ -108,7 +108,7 @@ class DecodeGraphs:
         return meta.num_decodes == meta.num_seqs and 0 < meta.num_seqs <= self.sizes[-1]
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``ModelRunner.forward``: hidden states ``[T, E]``, from a graph for decode steps that fit one (a view
+        """``ForwardPass.forward``: hidden states ``[T, E]``, from a graph for decode steps that fit one (a view
         of the output buffer, valid until the next step), else eagerly."""
         if not self.can_run(meta):
             return self.runner.forward(input_ids, meta)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.step_io import NewSeqData, ScheduledSeq
+from pagedllm.protocol.sampling_params import SamplingParams
+from pagedllm.protocol.step_io import NewSeqData, ScheduledSeq
 
 
 @dataclass

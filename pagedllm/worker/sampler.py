@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.engine.logit_bias import apply_logit_bias
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.protocol.logit_bias import apply_logit_bias
+from pagedllm.protocol.sampling_params import SamplingParams
 
 
 @dataclass

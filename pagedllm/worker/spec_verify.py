@@ -9,7 +9,7 @@ from itertools import chain
 
 import torch
 
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.spec_decode.rejection import accept_argmax, pad_flat, verify
 from pagedllm.worker.sampler import filter_logits
 

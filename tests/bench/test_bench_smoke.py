@@ -177,8 +177,7 @@ def test_generate_batch_time_budget_counts_tokens_streamed_so_far():
 
     reqs = [BenchRequest([100 + i, 200, 300 + i], 400) for i in range(2)]
     res = hf_continuous(reqs, torch.float32, progress=False, budget_s=3.0)
-    if isinstance(res, Skipped):
-        pytest.skip(res.note)
+    assert not isinstance(res, Skipped), res.note  # the test set-up installs a transformers with generate_batch
     assert res.extra["cut_at_s"] >= 3.0 and res.num_requests == 0
     assert 0 < res.output_tokens < 800 and res.prompt_tokens == 6  # both prompts were prefilled
 
@@ -205,7 +204,7 @@ def test_latency(outdir, capsys):
     demo = r["demo"]
     assert len(demo["static"]["latency_s"]) == 8 == len(demo["continuous"]["latency_s"])
     s = r["serving"]
-    assert "skipped" in s or s["completed"] >= 1, s
+    assert "skipped" not in s and s["completed"] >= 1, s  # the server starts and answers
 
 
 def test_memory(outdir, capsys):

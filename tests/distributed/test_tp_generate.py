@@ -9,7 +9,7 @@ import torch
 from tp_programs import TinySpec, tiny_rank
 
 from pagedllm.attention import BACKENDS
-from pagedllm.distributed.equivalence import checkpoint_rank
+from pagedllm.bench.tp_equivalence import checkpoint_rank
 from pagedllm.distributed.launcher import run_tensor_parallel
 from pagedllm.models.quant import QuantizedWeight, kernel_available, save_blocks
 from pagedllm.models.tiny import tiny_hf_model

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.distributed.sharding import ShardPlan, kv_heads_per_rank, take_cols, take_rows
+from pagedllm.models.sharding import ShardPlan, kv_heads_per_rank, take_cols, take_rows
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.quant import QuantizedWeight, kernel_available
 

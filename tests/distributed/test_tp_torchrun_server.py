@@ -20,7 +20,7 @@ def _node(node: int, master_port: int, model: str, http_port: int) -> subprocess
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-         str(node), "--master-addr", "127.0.0.1", "--master-port", str(master_port), "-m", "pagedllm.cli", "serve",
+         str(node), "--master-addr", "127.0.0.1", "--master-port", str(master_port), "-m", "pagedllm.entrypoints.cli", "serve",
          model, "--tensor-parallel-size", "2", "--distributed-executor-backend", "external_launcher",
          "--kv-cache-memory", str(16 << 20), "--port", str(http_port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

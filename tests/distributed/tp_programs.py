@@ -1,5 +1,5 @@
 """What each tensor-parallel rank runs in the tests: load a model, shard it, greedy-decode through the
-unchanged ModelRunner with a KV cache of this rank's KV heads. Module-level functions, so spawned ranks
+unchanged ForwardPass with a KV cache of this rank's KV heads. Module-level functions, so spawned ranks
 (``run_tensor_parallel``) can unpickle them; ``python -m torch.distributed.run ... tp_programs.py`` runs
 :func:`main` on ranks that ``torchrun`` launched (one per node in the two-node test).
 """
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.distributed.equivalence import Result, greedy
+from pagedllm.bench.tp_equivalence import Result, greedy
 from pagedllm.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group_from_env
-from pagedllm.distributed.sharding import shard_model
+from pagedllm.models.sharding import shard_model
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.quant import load_blocks

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.args import EngineArgs, resolve_device, resolve_dtype
-from pagedllm.engine.step_io import (Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq, SchedulerOutput,
+from pagedllm.config.args import EngineArgs
+from pagedllm.config.device import resolve_device, resolve_dtype
+from pagedllm.protocol.step_io import (Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq, SchedulerOutput,
                                      SeqOutput, decode, encode)
 
 
@@ -63,7 +64,7 @@ def test_multiprocess_worker_equals_in_process(engines, wiki_texts):
 
 
 def test_dead_worker_process_is_an_error(tiny_model_dir):
-    from pagedllm.executor.multiproc import WorkerError
+    from pagedllm.protocol.errors import WorkerError
 
     llm = LLM(tiny_model_dir, kv_cache_memory=16 << 20, distributed_executor_backend="mp")
     os.kill(llm.engine.core.executor.pid, signal.SIGKILL)

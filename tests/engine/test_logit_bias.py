@@ -6,7 +6,7 @@ import torch
 
 
 def test_logit_bias_batched():
-    from pagedllm.engine.logit_bias import apply_logit_bias
+    from pagedllm.protocol.logit_bias import apply_logit_bias
 
     logits = torch.zeros(3, 8)
     apply_logit_bias(logits, [{1: 2.0, 7: -100.0}, None, {0: 0.5}])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.core_io import EngineCoreOutput, SeqDelta
-from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.protocol.core_io import EngineCoreOutput, SeqDelta
+from pagedllm.frontend.output_processor import OutputProcessor
+from pagedllm.protocol.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.prompt_inputs import normalize_prompts
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.frontend.prompt_inputs import normalize_prompts
+from pagedllm.protocol.sampling_params import SamplingParams
 
 
 def test_forms_normalize():

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.core import EngineCore
-from pagedllm.engine.core_io import EngineCoreRequest
-from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.step_io import ModelRunnerOutput, SchedulerOutput, SeqOutput, decode, encode
+from pagedllm.config.args import EngineArgs
+from pagedllm.core.engine_core import EngineCore
+from pagedllm.protocol.core_io import EngineCoreRequest
+from pagedllm.protocol.sampling_params import SamplingParams
+from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput, SeqOutput, decode, encode
 from pagedllm.executor.base import Executor
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.worker import KVCacheSpec

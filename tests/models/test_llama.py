@@ -18,7 +18,7 @@ import torch
 import pagedllm.attention as attention
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.model_runner import ModelRunner, SeqChunk, greedy_generate
+from pagedllm.models.forward_pass import ForwardPass, SeqChunk, greedy_generate
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.layers import rope_inv_freq
@@ -29,17 +29,10 @@ BLOCK = 16
 BACKENDS = list(attention.BACKENDS)
 
 
-def backend_or_skip(name: str):
-    try:
-        return get_backend(name)
-    except (ImportError, RuntimeError, NotImplementedError) as e:  # e.g. triton without a GPU
-        pytest.skip(f"backend {name!r} unavailable here: {e}")
-
-
-def make_runner(model: LlamaForCausalLM, backend_name: str, num_blocks: int, dtype=torch.float32) -> ModelRunner:
+def make_runner(model: LlamaForCausalLM, backend_name: str, num_blocks: int, dtype=torch.float32) -> ForwardPass:
     cfg = model.config
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, BLOCK, dtype=dtype)
-    return ModelRunner(model, kv, backend_or_skip(backend_name))
+    return ForwardPass(model, kv, get_backend(backend_name))
 
 
 _HF_MEMO: dict = {}

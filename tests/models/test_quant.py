@@ -78,7 +78,7 @@ def test_smollm2_gguf_blocks_give_the_fp32_models_logits(smol_pair):
     bit-identical logits to the fp32 model."""
     from pagedllm.attention import get_backend
     from pagedllm.kv import KVCache
-    from pagedllm.model_runner import ModelRunner, SeqChunk
+    from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 
     ckpt, dense, quant = smol_pair
     cfg = ckpt.config
@@ -87,7 +87,7 @@ def test_smollm2_gguf_blocks_give_the_fp32_models_logits(smol_pair):
     assert all(isinstance(getattr(layer, a), QuantizedWeight)
                for a in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"))
     assert quant.lm_head is quant.embed and quant.embed.qtype == int(gguf.GGMLQuantizationType.Q8_0)
-    runners = [ModelRunner(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16), get_backend("cpu"))
+    runners = [ForwardPass(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16), get_backend("cpu"))
                for m in (dense, quant)]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
     steps = [[SeqChunk(list(range(200 + 31 * i, 300 + 31 * i)), 0, tables[i]) for i in range(3)]]
@@ -132,7 +132,7 @@ def test_engine_default_reads_the_blocks_and_generates_what_the_dense_model_does
     outs = {}
     for q in ("auto", "none"):
         llm = LLM(quantization=q, dtype="float32", num_blocks=32)
-        assert llm.engine.runner.model.quantization == ("gguf" if q == "auto" else "none")
+        assert llm.engine.forward_pass.model.quantization == ("gguf" if q == "auto" else "none")
         outs[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["auto"] == outs["none"]
 
@@ -159,7 +159,7 @@ def test_gguf_a8_decode_steps_stay_close_to_the_exact_model(smol_pair):
     from pagedllm.attention import get_backend
     from pagedllm.bench.perplexity import wiki_token_ids
     from pagedllm.kv import KVCache
-    from pagedllm.model_runner import ModelRunner, SeqChunk
+    from pagedllm.models.forward_pass import ForwardPass, SeqChunk
     from pagedllm.models.llama import LlamaForCausalLM
 
     ckpt, _, exact = smol_pair
@@ -168,7 +168,7 @@ def test_gguf_a8_decode_steps_stay_close_to_the_exact_model(smol_pair):
     # layer matrices and the (tied) LM head packed once at load; lookups read the embedding's blocks
     assert a8.layers[0].down_weight.packed and a8.lm_head.packed and not a8.embed.packed
     cfg = ckpt.config
-    runners = [ModelRunner(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16), get_backend("cpu"))
+    runners = [ForwardPass(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, 16), get_backend("cpu"))
                for m in (exact, a8)]
     text = wiki_token_ids(ckpt.tokenizer, 3 * 80 + 3 * 12)
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.core_io import EngineCoreRequest
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.config.args import EngineArgs
+from pagedllm.protocol.core_io import EngineCoreRequest
+from pagedllm.protocol.sampling_params import SamplingParams
 
 MAX_TOKENS = 8
 
@@ -50,7 +50,7 @@ def ray_local():
 @pytest.fixture(scope="session")
 def cores(tiny_args):
     """Two in-process engine cores on the tiny model."""
-    from pagedllm.engine.core import EngineCore
+    from pagedllm.core.engine_core import EngineCore
 
     pair = EngineCore(tiny_args), EngineCore(tiny_args)
     yield pair

@@ -53,7 +53,7 @@ def test_import_refuses_other_hashes_and_shapes(cores):
 def test_quantized_blocks_move_with_their_scales(tiny_args, kv_dtype):
     import dataclasses
 
-    from pagedllm.engine.core import EngineCore
+    from pagedllm.core.engine_core import EngineCore
 
     args = dataclasses.replace(tiny_args, kv_cache_dtype=kv_dtype)
     a, b = EngineCore(args), EngineCore(args)

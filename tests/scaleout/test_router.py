@@ -77,8 +77,8 @@ def test_config_validation_names_the_field():
 
 
 def test_serve_flags_that_contradict_or_would_be_ignored_are_refused():
-    from pagedllm.cli import build_parser
-    from pagedllm.engine.args import EngineArgs
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.config.args import EngineArgs
     from pagedllm.scaleout.config import wants_scaleout
 
     def args(*flags: str) -> EngineArgs:

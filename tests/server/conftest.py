@@ -33,8 +33,8 @@ def live_server(engine_options: dict | None = None, **app_options):
     tiny model), ``app_options`` go to ``create_app``."""
     import uvicorn
 
-    from pagedllm.engine.args import EngineArgs
-    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.config.args import EngineArgs
+    from pagedllm.frontend.async_engine import AsyncEngine
     from pagedllm.server import create_app
 
     # fp32: the tests compare with HF fp32 token for token (auto would pick bf16 on a CPU with native bf16)

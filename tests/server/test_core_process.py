@@ -4,6 +4,7 @@ busy, and a core that dies gives every stream an error and /health 503, never a 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -17,8 +18,8 @@ import pytest
 def live(tiny_model_dir):
     import uvicorn
 
-    from pagedllm.engine.args import EngineArgs
-    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.config.args import EngineArgs
+    from pagedllm.frontend.async_engine import AsyncEngine
     from pagedllm.server import create_app
 
     engine = AsyncEngine(EngineArgs(model=tiny_model_dir, kv_cache_memory=64 << 20, max_model_len=2048))
@@ -44,6 +45,11 @@ def test_core_runs_in_another_process(live):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
+def running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^pagedllm_num_requests_running (\S+)$", text, re.M).group(1))
+
+
 def test_health_answers_while_the_core_is_busy(live):
     url, _ = live
     body = {"prompt": "Once upon a time " * 20, "max_tokens": 400, "ignore_eos": True}
@@ -51,7 +57,10 @@ def test_health_answers_while_the_core_is_busy(live):
                                 kwargs={"json": body, "timeout": 120}) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while running(url) == 0:  # the core has started generating
+        assert time.monotonic() < deadline and any(t.is_alive() for t in threads)
+        time.sleep(0.05)
     answered = 0
     while any(t.is_alive() for t in threads) and answered < 20:
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # never stuck behind the core's steps

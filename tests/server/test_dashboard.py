@@ -162,7 +162,7 @@ def _browser_unavailable() -> str | None:
 def browser():
     reason = _browser_unavailable()
     if reason:
-        pytest.skip(f"headless Chromium unavailable: {reason}")
+        pytest.fail(f"headless Chromium unavailable (scripts/setup.sh installs it): {reason}")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

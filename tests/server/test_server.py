@@ -211,7 +211,7 @@ def test_metrics(server, client, model):
 
 def test_delta_tracker_holds_back_what_may_change():
     """Deltas concatenate to the final text even when a stop string later cuts it, or a character is half-decoded."""
-    from pagedllm.engine.outputs import CompletionOutput
+    from pagedllm.protocol.outputs import CompletionOutput
     from pagedllm.server.protocol import DeltaTracker
 
     def deltas(stop: list[str], steps: list[str], final: str) -> list[str]:
@@ -226,7 +226,7 @@ def test_delta_tracker_holds_back_what_may_change():
 
 
 def test_cli(capsys):
-    from pagedllm.cli import main
+    from pagedllm.entrypoints.cli import main
 
     assert main(["generate", "Say hi.", "--max-tokens", "3", "--temperature", "0", "--kv-cache-memory",
                  str(16 << 20)]) == 0

@@ -2,7 +2,7 @@ import pytest
 
 from pagedllm.attention import get_backend
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.model_runner import ModelRunner, greedy_generate
+from pagedllm.models.forward_pass import ForwardPass, greedy_generate
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.tiny import tiny_hf_model
 from pagedllm.spec_decode import SpeculativeConfig, make_proposer
@@ -21,7 +21,7 @@ def target():
 
 def target_greedy(model, prompt, n):
     cfg = model.config
-    runner = ModelRunner(model, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, BS),
+    runner = ForwardPass(model, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, BS),
                          get_backend("reference"))
     return greedy_generate(runner, [prompt], n)[0]
 

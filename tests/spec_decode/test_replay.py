@@ -1,6 +1,6 @@
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.proposer import Proposal, Proposer
-from pagedllm.spec_decode.replay import replay_acceptance
+from pagedllm.bench.spec_replay import replay_acceptance
 
 
 class Oracle(Proposer):

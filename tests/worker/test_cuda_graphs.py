@@ -12,7 +12,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.attention import get_backend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.model_runner import ModelRunner
+from pagedllm.models.forward_pass import ForwardPass
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.tiny import tiny_hf_model
 from pagedllm.worker import cuda_graphs
@@ -45,13 +45,13 @@ def model() -> LlamaForCausalLM:
     return m
 
 
-def make_runner(model, num_blocks: int = 24) -> ModelRunner:
+def make_runner(model, num_blocks: int = 24) -> ForwardPass:
     cfg = model.config
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, BLOCK)
-    return ModelRunner(model, kv, get_backend("cpu"))
+    return ForwardPass(model, kv, get_backend("cpu"))
 
 
-def prefill(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> None:
+def prefill(runner: ForwardPass, prompts: list[list[int]], tables: list[list[int]]) -> None:
     lens = [len(p) for p in prompts]
     meta = AttentionMetadata.build(lens, lens, tables, BLOCK)
     runner.forward(torch.tensor(sum(prompts, [])), meta)
@@ -161,7 +161,7 @@ def test_engine_greedy_with_decode_graphs_equals_eager(tiny_model_dir, monkeypat
     llm = LLM(tiny_model_dir, attention_backend=backend, **kw)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    graphs = llm.engine.core.executor.worker.graphs
+    graphs = llm.engine.core.executor.worker.model_runner.graphs
     assert all(graphs.replays[b] for b in (1, 2, 4))  # 3 decodes (bucket 4), then 2, then 1
     assert llm.engine.kv.num_blocks == eager.engine.kv.num_blocks - 1
-    assert eager.engine.core.executor.worker.graphs is None
+    assert eager.engine.core.executor.worker.model_runner.graphs is None

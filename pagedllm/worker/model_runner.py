@@ -1,0 +1,188 @@
+"""The model runner: one step's execution on the worker's device. It applies the core's
+``SchedulerOutput`` (plain data) to the persistent batch, runs the forward pass (from a CUDA graph where
+one is captured), and answers with a ``ModelRunnerOutput``: sampled ids, logprobs, beam top-k, prompt
+logprobs and verified drafts. It knows nothing of requests or blocks' owners."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.models.forward_pass import ForwardPass
+from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
+from pagedllm.structured.state import apply_bitmask
+from pagedllm.worker.cuda_graphs import DecodeGraphs
+from pagedllm.worker.input_batch import InputBatch, make_generator
+from pagedllm.worker.sampler import Sampler, SamplingBatch
+from pagedllm.worker.spec_verify import verify_drafts
+
+log = logging.getLogger("pagedllm.worker")
+
+
+class ModelRunner:
+    def __init__(self, forward_pass: ForwardPass, batch: InputBatch, sampler: Sampler,
+                 graphs: DecodeGraphs | None) -> None:
+        self.forward_pass = forward_pass
+        self.kv_cache: KVCache = forward_pass.kv_cache
+        self.batch = batch
+        self.sampler = sampler
+        self.graphs = graphs
+        self._pending_generators: dict[tuple[int, int], torch.Generator | None] = {}
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.batch
+        for parent, child, index in so.forks:
+            gen = self._pending_generators.pop((parent, index), None)
+            if gen is None:
+                gen = make_generator(batch.params[batch.row_of[parent]], index)
+            batch.fork(parent, child, index, gen)
+        for sid in so.finished_seq_ids:
+            batch.remove(sid)
+        if so.finished_seq_ids:
+            gone = set(so.finished_seq_ids)
+            self._pending_generators = {k: g for k, g in self._pending_generators.items() if k[0] not in gone}
+        for new in so.new_seqs:
+            batch.add(new)
+        rows = [batch.apply(s) for s in so.scheduled]
+        if so.swap_out:
+            self.kv_cache.swap_out(so.swap_out)
+        if so.swap_in:
+            self.kv_cache.swap_in(so.swap_in)
+        if so.copies:
+            self.kv_cache.copy_blocks(so.copies)
+        if not so.scheduled:
+            return ModelRunnerOutput()
+        inp = batch.prepare(so.scheduled, rows)
+        forward = self.forward_pass.forward if self.graphs is None else self.graphs.forward
+        hidden = forward(inp.input_ids, inp.meta)
+        return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
+
+    def _outputs(self, so: SchedulerOutput, rows: list[int], order: list[int], qsl: list[int],
+                 hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Logits of every row that needs them in one LM-head pass, then sampling, beam top-k and
+        prompt logprobs."""
+        batch = self.batch
+        pos_of = {i: k for k, i in enumerate(order)}
+        last_rows, prompt_spans = [], []  # hidden rows; (scheduled index, first logits row, positions)
+        last_of: dict[int, int] = {}  # scheduled index -> logits row of its last token
+        spec_of: dict[int, int] = {}  # scheduled index -> logits row of its last real token (drafts follow)
+        for i, s in enumerate(so.scheduled):
+            start = qsl[pos_of[i]]
+            if s.prompt_logprobs is not None:
+                num_prompt = int(batch.num_prompt[rows[i]])
+                n = max(0, min(s.num_computed + s.num_tokens, num_prompt - 1) - s.num_computed)
+                if n:
+                    prompt_spans.append((i, len(last_rows), n))
+                    last_rows += range(start, start + n)
+            k = len(s.spec_token_ids)
+            if k:
+                spec_of[i] = len(last_rows)
+                last_rows += range(start + s.num_tokens - 1 - k, start + s.num_tokens)
+            elif s.needs_logits:
+                last_of[i] = len(last_rows)
+                last_rows.append(start + s.num_tokens - 1)
+        outs = [SeqOutput(s.seq_id) for s in so.scheduled]
+        if not last_rows:
+            return ModelRunnerOutput(outs)
+        logits = self.forward_pass.model.compute_logits(hidden.index_select(
+            0, torch.tensor(last_rows, dtype=torch.int64, device=hidden.device))).cpu()
+        for i, first, n in prompt_spans:
+            s = so.scheduled[i]
+            row = rows[i]
+            targets = batch.token_ids[row, s.num_computed + 1: s.num_computed + 1 + n]
+            outs[i].prompt_logprobs = _ranked(logits[first:first + n].log_softmax(-1), targets, s.prompt_logprobs)
+        if so.grammar_bitmask is not None:  # structured outputs: disallowed tokens to -inf, before sampling
+            rows_g = [last_of[i] for i in so.grammar_rows if i in last_of]
+            if rows_g:
+                sub = so.grammar_bitmask[[i for i in so.grammar_rows if i in last_of]]
+                masked = logits[rows_g]
+                apply_bitmask(masked, sub)
+                logits[rows_g] = masked
+        sample_rows, sample_keys, beams = [], [], []
+        for i, k in last_of.items():
+            s = so.scheduled[i]
+            if s.beam_topk:
+                beams.append((i, k))
+                continue
+            for j in range(s.num_samples):
+                sample_rows.append(k)
+                sample_keys.append((i, j))
+        if beams:
+            idx = torch.tensor([r for _, r in beams])
+            vals, ids = logits.index_select(0, idx).log_softmax(-1).topk(max(so.scheduled[i].beam_topk for i, _ in beams))
+            for n, (i, _) in enumerate(beams):
+                kk = so.scheduled[i].beam_topk
+                outs[i].beam_topk = Logprobs(ids[n:n + 1, :kk], vals[n:n + 1, :kk])
+        if sample_rows:
+            self._sample(so, rows, logits, sample_rows, sample_keys, outs)
+        if spec_of:
+            idx = list(spec_of)
+            kept = verify_drafts(logits, list(spec_of.values()), [so.scheduled[i].spec_token_ids for i in idx],
+                                 [batch.params[rows[i]] for i in idx], [batch.generators[rows[i]] for i in idx])
+            for i, (toks, lps) in zip(idx, kept):
+                outs[i].token_ids, outs[i].logprobs = toks, lps
+        return ModelRunnerOutput(outs)
+
+    def _sample(self, so: SchedulerOutput, rows: list[int], logits: torch.Tensor, sample_rows: list[int],
+                sample_keys: list[tuple[int, int]], outs: list[SeqOutput]) -> None:
+        batch = self.batch
+        params, gens, brows = [], [], []
+        for i, j in sample_keys:
+            row = rows[i]
+            p = batch.params[row]
+            params.append(p)
+            brows.append(row)
+            if j == 0:
+                gens.append(batch.generators[row])
+            else:  # a parallel sample's generator: it goes to the child row when the core forks it
+                g = make_generator(p, j)
+                self._pending_generators[(so.scheduled[i].seq_id, j)] = g
+                gens.append(g)
+        try:
+            self._sample_rows(logits, sample_rows, sample_keys, params, gens, brows, rows, outs)
+        except Exception:  # noqa: BLE001 - find the sequence(s) it belongs to; the others still get tokens
+            log.exception("batched sampling failed; sampling sequence by sequence")
+            for i in dict.fromkeys(i for i, _ in sample_keys):
+                sel = [r for r, (ii, _) in enumerate(sample_keys) if ii == i]
+                try:
+                    self._sample_rows(logits, [sample_rows[r] for r in sel], [sample_keys[r] for r in sel],
+                                      [params[r] for r in sel], [gens[r] for r in sel], [brows[r] for r in sel],
+                                      rows, outs)
+                except Exception as e:  # noqa: BLE001 - reported for this sequence alone
+                    outs[i].token_ids, outs[i].logprobs = [], []
+                    outs[i].error = f"sampling failed: {type(e).__name__}: {e}"
+
+    def _sample_rows(self, logits: torch.Tensor, sample_rows: list[int], sample_keys: list[tuple[int, int]],
+                     params: list, gens: list, brows: list[int], rows: list[int], outs: list[SeqOutput]) -> None:
+        batch = self.batch
+        brow_t = torch.tensor(brows, dtype=torch.int64)
+        num_tokens = batch.num_tokens[brow_t]
+        penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
+        hist = batch.token_ids[brow_t, : int(num_tokens.max())] if penalised else batch.token_ids[:0]
+        result = self.sampler(logits.index_select(0, torch.tensor(sample_rows)),
+                              SamplingBatch(params, gens, hist, batch.num_prompt[brow_t], num_tokens))
+        tokens, chosen = result.token_ids.tolist(), result.logprobs.tolist()
+        for r, (i, j) in enumerate(sample_keys):
+            out = outs[i]
+            out.token_ids.append(tokens[r])
+            out.logprobs.append(chosen[r])
+        if result.top_ids is not None:
+            for i in dict.fromkeys(i for i, _ in sample_keys):
+                p = batch.params[rows[i]]
+                if p.logprobs is None:
+                    continue
+                sel = [r for r, (ii, _) in enumerate(sample_keys) if ii == i]
+                width = 1 + p.logprobs
+                outs[i].top_logprobs = Logprobs(result.top_ids[sel, :width], result.top_logprobs[sel, :width])
+
+
+def _ranked(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
+    """Each position's actual next token first, then the top ``k`` (prompt logprobs, vLLM's shape)."""
+    chosen = logprobs.gather(1, targets[:, None])
+    if k:
+        vals, ids = logprobs.topk(k, dim=-1)
+        return Logprobs(torch.cat([targets[:, None], ids], 1), torch.cat([chosen, vals], 1))
+    return Logprobs(targets[:, None].clone(), chosen)
