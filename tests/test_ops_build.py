@@ -16,7 +16,7 @@ import pytest
 
 from pagedllm.ops import build as native
 
-PKG = Path(native.__file__).parent
+PKG = Path(native.__file__).parents[1]  # the package: pagedllm/
 
 
 def test_build_dir_follows_content_not_path(tmp_path):
@@ -82,7 +82,8 @@ def test_without_a_compiler_a_kernel_runs_if_it_was_built_ahead_of_time(tmp_path
 
 _LOAD = """
 import json, torch
-from pagedllm.ops import build as native, ops
+from pagedllm import ops
+from pagedllm.ops import build as native
 assert all(ops.load(k) for k in ops.KERNELS)
 x = torch.randn(2, 64)
 torch.testing.assert_close(torch.ops.pagedllm.silu_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
