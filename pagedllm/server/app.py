@@ -29,6 +29,7 @@ from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.server.chat_tools import ToolPlan, render_chat, template_messages
 from pagedllm.server.errors import APIError
 from pagedllm.server.echo_logprobs import prompt_completion_logprobs
+from pagedllm.server.input_bounds import InputBounds, prompt_chars
 from pagedllm.server.guards import (
     APIKeyMiddleware, HostCheckMiddleware, SizeLimitMiddleware, bad_text_field, error_response,
 )
@@ -44,6 +45,7 @@ from pagedllm.server.routes_utility import router as utility_router
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
 from pagedllm.server.tool_calls import get_tool_parser
 from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
+from pagedllm.structured.admission import GrammarAdmission
 
 log = logging.getLogger("pagedllm.server")
 
@@ -63,7 +65,9 @@ class OpenAIServing:
         self.allow_unknown_fields = allow_unknown_fields
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template
-        self.grammars = GrammarCompiler(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
+        self.grammars = GrammarAdmission(GrammarCompiler(self.tokenizer, engine.limits.vocab_size,
+                                                         list(engine.spec.eos_token_ids)))
+        self.bounds = InputBounds(self.tokenizer, engine.max_model_len)
 
     # ------------------------------------------------------------------ admission
     @staticmethod
@@ -98,6 +102,8 @@ class OpenAIServing:
                     raise ValueError("tool_choice forces a tool call, which conflicts with response_format "
                                      "and the structured-output fields")
                 extras["structured_outputs"] = structured
+            if extras["structured_outputs"] is not None:  # checked and compiled before any tokenizing
+                extras["structured_outputs"] = self.grammars.admit(extras["structured_outputs"])
             ids = tokenize(eng)
             if body.truncate_prompt_tokens is not None:
                 ids = [p[-body.truncate_prompt_tokens:] for p in ids]
@@ -109,8 +115,6 @@ class OpenAIServing:
                 limit = max(1, min(eng.max_model_len - longest, per_sample))
             params = dataclasses.replace(body.sampling_params(limit, logprobs), prompt_logprobs=prompt_logprobs,
                                          **extras)
-            if params.structured_outputs is not None:
-                self.grammars.compile(params.structured_outputs)
             for prompt_ids in ids:
                 eng.validate(prompt_ids, params)
             if max_tokens is not None and max(map(len, ids)) + max_tokens > eng.max_model_len:
@@ -223,6 +227,7 @@ class OpenAIServing:
             body.prompt[0], int) else [body.prompt]
         if not prompts or any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
+        self.bounds.check(prompt_chars(prompts), "prompt")
         if body.max_tokens < 0:
             raise APIError(400, f"max_tokens must be >= 0, got {body.max_tokens}", param="max_tokens")
         if body.max_tokens == 0 and not body.echo:
@@ -292,6 +297,7 @@ class OpenAIServing:
             messages = template_messages(body.messages)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
+        self.bounds.check(sum(len(m["content"]) for m in messages), "messages")
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         ids, params = await self.admit(

@@ -156,23 +156,26 @@ class HostCheckMiddleware:
 
 def bad_text_field(value: object, where: str = "") -> str | None:
     """Dotted path of the first string in ``value`` (a request model, list or dict, nested) that is not
-    valid UTF-8 (a lone surrogate such as "\\ud800" from a JSON escape), or None."""
-    if isinstance(value, str):
-        return None if is_text(value) else where
-    if isinstance(value, BaseModel):
-        items = [(k, getattr(value, k)) for k in type(value).model_fields] + list((value.model_extra or {}).items())
-    elif isinstance(value, dict):
-        items = [(str(k), v) for k, v in value.items()]
-        bad_key = next((str(k) for k in value if isinstance(k, str) and not is_text(k)), None)
-        if bad_key is not None:
-            return f"{where}.<key>" if where else "<key>"
-    elif isinstance(value, list):
-        items = [(f"[{i}]", v) for i, v in enumerate(value)]
-    else:
-        return None
-    for key, val in items:
-        path = f"{where}{key}" if key.startswith("[") else (f"{where}.{key}" if where else key)
-        found = bad_text_field(val, path)
-        if found is not None:
-            return found
+    valid UTF-8 (a lone surrogate such as "\\ud800" from a JSON escape), or None. Iterative: a body may
+    nest thousands of levels deep."""
+    stack = [(where, value)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not is_text(value):
+                return where
+            continue
+        if isinstance(value, BaseModel):
+            items = [(k, getattr(value, k)) for k in type(value).model_fields] + list((value.model_extra or {}).items())
+        elif isinstance(value, dict):
+            bad_key = next((str(k) for k in value if isinstance(k, str) and not is_text(k)), None)
+            if bad_key is not None:
+                return f"{where}.<key>" if where else "<key>"
+            items = [(str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            items = [(f"[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        for key, val in reversed(items):  # first field first
+            stack.append((f"{where}{key}" if key.startswith("[") else (f"{where}.{key}" if where else key), val))
     return None
