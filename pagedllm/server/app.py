@@ -24,11 +24,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.config.version import __version__
 from pagedllm.frontend.async_engine import AsyncEngine
+from pagedllm.frontend.core_client import EngineCoreDied
 from pagedllm.protocol.outputs import RequestOutput
 from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.server.chat_tools import ToolPlan, render_chat, template_messages
 from pagedllm.server.errors import APIError
 from pagedllm.server.echo_logprobs import prompt_completion_logprobs
+from pagedllm.server.core_supervisor import (
+    CoreDownMiddleware, CoreSupervisor, core_died_error, core_died_info, supervised_lifespan,
+)
 from pagedllm.server.input_bounds import InputBounds, prompt_chars
 from pagedllm.server.guards import (
     APIKeyMiddleware, HostCheckMiddleware, SizeLimitMiddleware, bad_text_field, error_response,
@@ -366,6 +370,8 @@ class OpenAIServing:
                 if e.status == 499:  # the client went away: nobody to tell
                     return
                 yield f"data: {ErrorResponse(error=e.info).model_dump_json()}\n\n"
+            except EngineCoreDied as e:  # the supervisor restarts the core; the client may retry
+                yield f"data: {ErrorResponse(error=core_died_info(e)).model_dump_json()}\n\n"
             except Exception:  # noqa: BLE001 - reported to the client as an event, logged in full
                 log.exception("stream failed")
                 info = ErrorInfo(message="the server failed while generating this response", type="server_error")
@@ -452,6 +458,7 @@ async def _server_error(request: Request, e: Exception) -> JSONResponse:
 def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
                stats_interval_s: float | None = DEFAULT_INTERVAL_S, metrics_token: str | None = None,
                metrics_open: bool = False, enable_docs: bool = False, allowed_hosts: list[str] | None = None,
+               restart_core: bool = True, on_core_lost: Callable[[], None] | None = None,
                **serving_options) -> FastAPI:
     """The server app over ``engine``; the model is served under ``served_model_name``.
 
@@ -459,15 +466,20 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     ``metrics_token`` or is left open by ``metrics_open``); ``enable_docs`` serves /docs, /redoc and
     /openapi.json (off by default); ``allowed_hosts`` (None: no check) are the Host names accepted;
     ``serving_options`` (allow_unknown_fields, tool_call_parser, chat_template) go to ``OpenAIServing``;
-    a stats line is logged every ``stats_interval_s`` (None: never)."""
+    a stats line is logged every ``stats_interval_s`` (None: never). A dead engine core is restarted
+    (``restart_core``) or, that off or failing, ``on_core_lost`` runs (``core_supervisor``)."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=stats_lifespan(engine, stats_interval_s), **docs)
+    supervisor = CoreSupervisor(engine, restart=restart_core, on_give_up=on_core_lost)
+    app = FastAPI(title="pagedllm", version=__version__,
+                  lifespan=supervised_lifespan(stats_lifespan(engine, stats_interval_s), supervisor), **docs)
     app.state.engine = engine
+    app.state.supervisor = supervisor
     model_name = served_model_name or engine.model_name
     app.state.metrics = ServerMetrics(model_name)
     app.state.serving = OpenAIServing(engine, model_name, app.state.metrics,
                                       **serving_options)
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(EngineCoreDied, core_died_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
@@ -482,6 +494,7 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
         app.include_router(dashboard_router)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_token=metrics_token, metrics_open=metrics_open)
+    app.add_middleware(CoreDownMiddleware, engine=engine)
     app.add_middleware(SizeLimitMiddleware)
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # added last: runs first
