@@ -108,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.frontend.async_engine import AsyncEngine
     from pagedllm.server import create_app
     from pagedllm.server.guards import default_allowed_hosts
+    from pagedllm.server.tenants import load_api_keys
 
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
@@ -128,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      metrics_open=args.metrics_open, enable_docs=args.enable_docs, allowed_hosts=allowed_hosts,
                      allow_unknown_fields=args.allow_unknown_fields, tool_call_parser=args.tool_call_parser,
                      chat_template=chat_template, restart_core=not args.no_restart_core,
+                     api_keys=load_api_keys(args.api_keys_file) if args.api_keys_file else None,
                      on_core_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # uvicorn stops gracefully
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -176,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route that shows data, /metrics and the KV "
                         "snapshot included; /health, /ping, /version stay open (default: $PAGEDLLM_API_KEY)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="a file of 'KEY TENANT' lines: each key is accepted as --api-key is, and each tenant's "
+                        "prefix cache is salted apart (no tenant hits, or can time, another's cached prompts)")
     p.add_argument("--metrics-token", default=os.environ.get("PAGEDLLM_METRICS_TOKEN"),
                    help="a second bearer token accepted on /metrics only, for a scraper (default: "
                         "$PAGEDLLM_METRICS_TOKEN)")

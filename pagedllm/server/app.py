@@ -46,6 +46,7 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.request_extras import check_unknown_fields
 from pagedllm.server.routes_utility import router as utility_router
+from pagedllm.server.tenants import request_tenant, tenant_cache_salt
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
 from pagedllm.server.tool_calls import get_tool_parser
 from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
@@ -248,6 +249,7 @@ class OpenAIServing:
         else:
             echo = None
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), params.n
+        salt = tenant_cache_salt(request_tenant(request), body.cache_salt)
         offsets: dict[int, int] = {}  # per choice: characters emitted so far (for text_offset)
 
         def choice(i: int, d: Delta, index: int, out: RequestOutput) -> CompletionChoice:
@@ -268,7 +270,7 @@ class OpenAIServing:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         if not body.stream:
-            finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
+            finals = {i: out async for i, out in self.run(request, ids, params, rid, salt) if out.finished}
             choices = [choice(i, Delta.whole(o), i * n + o.index, finals[i]) for i in sorted(finals)
                        for o in finals[i].outputs]
             return JSONResponse(response(choices, self.usage(ids, finals, body.max_tokens > 0)).model_dump())
@@ -276,7 +278,7 @@ class OpenAIServing:
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
             finals: dict[int, RequestOutput] = {}
-            async for i, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for i, out in self.run(request, ids, params, rid, salt):
                 if out.finished:
                     finals[i] = out
                 choices = []
@@ -308,13 +310,14 @@ class OpenAIServing:
             body, lambda eng: [render_chat(eng.tokenizer, messages, plan.tools, self.chat_template)], max_tokens,
             top_n if body.logprobs else None, structured=plan.structured)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        salt = tenant_cache_salt(request_tenant(request), body.cache_salt)
 
         def logprobs(d: Delta) -> ChatLogprobs | None:
             return self.chat_logprobs(d, top_n) if body.logprobs else None
 
         if not body.stream:
             final = None
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, salt):
                 final = out
             choices = []
             for o in final.outputs:
@@ -335,7 +338,7 @@ class OpenAIServing:
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
             streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
             final = None
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, salt):
                 final = out
                 choices = []
                 for o in out.outputs:
@@ -459,11 +462,12 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
                stats_interval_s: float | None = DEFAULT_INTERVAL_S, metrics_token: str | None = None,
                metrics_open: bool = False, enable_docs: bool = False, allowed_hosts: list[str] | None = None,
                restart_core: bool = True, on_core_lost: Callable[[], None] | None = None,
-               **serving_options) -> FastAPI:
+               api_keys: dict[str, str] | None = None, **serving_options) -> FastAPI:
     """The server app over ``engine``; the model is served under ``served_model_name``.
 
     ``api_key`` guards every route that shows data (``guards.APIKeyMiddleware``; /metrics also takes
-    ``metrics_token`` or is left open by ``metrics_open``); ``enable_docs`` serves /docs, /redoc and
+    ``metrics_token`` or is left open by ``metrics_open``), as do ``api_keys`` ({key: tenant}: each
+    tenant's prefix cache salted apart, ``tenants``); ``enable_docs`` serves /docs, /redoc and
     /openapi.json (off by default); ``allowed_hosts`` (None: no check) are the Host names accepted;
     ``serving_options`` (allow_unknown_fields, tool_call_parser, chat_template) go to ``OpenAIServing``;
     a stats line is logged every ``stats_interval_s`` (None: never). A dead engine core is restarted
@@ -492,8 +496,9 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
             raise
     else:
         app.include_router(dashboard_router)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_token=metrics_token, metrics_open=metrics_open)
+    if api_key or api_keys:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_token=metrics_token, metrics_open=metrics_open,
+                           tenant_keys=api_keys)
     app.add_middleware(CoreDownMiddleware, engine=engine)
     app.add_middleware(SizeLimitMiddleware)
     if allowed_hosts is not None:

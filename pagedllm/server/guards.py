@@ -41,11 +41,15 @@ def _bearer(scope: Scope) -> bytes:
 class APIKeyMiddleware:
     """With an API key, every route that shows data needs 'Authorization: Bearer <key>' (``OPEN_ROUTES``
     do not). /metrics also takes ``metrics_token``, or is open with ``metrics_open`` (a scraper that
-    cannot hold the API key), as vLLM allows."""
+    cannot hold the API key), as vLLM allows. ``tenant_keys`` ({key: tenant}) are further keys, each
+    naming its tenant in ``scope["state"]["tenant"]`` (see ``tenants``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str, metrics_token: str | None = None, metrics_open: bool = False):
+    def __init__(self, app: ASGIApp, api_key: str | None = None, metrics_token: str | None = None,
+                 metrics_open: bool = False, tenant_keys: dict[str, str] | None = None):
         self.app = app
-        self.keys = [api_key.encode()]
+        self.tenants: list[tuple[bytes, str | None]] = [(api_key.encode(), None)] if api_key else []
+        self.tenants += [(k.encode(), t) for k, t in (tenant_keys or {}).items()]
+        self.keys = [k for k, _ in self.tenants]
         self.metrics_keys = self.keys + ([metrics_token.encode()] if metrics_token else [])
         self.metrics_open = metrics_open
 
@@ -57,8 +61,14 @@ class APIKeyMiddleware:
         keys = self.metrics_keys if path == "/metrics" else self.keys
         return any(secrets.compare_digest(token, k) for k in keys)
 
+    def tenant(self, scope: Scope) -> str | None:
+        token = _bearer(scope)
+        return next((t for k, t in self.tenants if secrets.compare_digest(token, k)), None)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self.allowed(scope):
+        if scope["type"] == "http" and self.allowed(scope):
+            scope.setdefault("state", {})["tenant"] = self.tenant(scope)
+        elif scope["type"] == "http":
             await _refuse(scope, receive, send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                           code="invalid_api_key")
             return
