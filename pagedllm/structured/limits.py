@@ -28,7 +28,8 @@ class StructuredLimits:
     these are looser, sized so that the worst spec compiles in well under a second)."""
 
     max_depth: int = 128  # nesting of JSON objects and arrays anywhere in a schema (a property is 2 levels)
-    max_nodes: int = 10_000  # objects and arrays in a schema (scalars are bounded by the enum limits)
+    max_nodes: int = 10_000  # objects and arrays in a schema
+    max_entries: int = 2_048  # entries of one object or array (checked by length: a 100k-value enum costs nothing)
     max_enum_values: int = 2_048  # enum and const values (and choices) in one spec, together
     max_enum_chars: int = 65_536  # their total length as JSON text
     max_pattern_chars: int = 4_096  # one regex (a schema's "pattern", or a regex constraint)
@@ -77,6 +78,9 @@ def _check_shape(schema: Any, limits: StructuredLimits) -> None:
             raise ValueError(f"structured_outputs.json has more than {limits.max_nodes} objects and arrays")
         if depth > limits.max_depth:
             raise ValueError(f"structured_outputs.json is nested deeper than {limits.max_depth} levels")
+        if len(value) > limits.max_entries:
+            raise ValueError(f"structured_outputs.json has an {'object' if isinstance(value, dict) else 'array'} of "
+                             f"{len(value)} values; the limit is {limits.max_entries}")
         children = value.values() if isinstance(value, dict) else value
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
