@@ -49,7 +49,7 @@ from pagedllm.server.routes_utility import router as utility_router
 from pagedllm.server.tenants import request_tenant, tenant_cache_salt
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
 from pagedllm.server.tool_calls import get_tool_parser
-from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
+from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.admission import GrammarAdmission
 
 log = logging.getLogger("pagedllm.server")
@@ -70,8 +70,7 @@ class OpenAIServing:
         self.allow_unknown_fields = allow_unknown_fields
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template
-        self.grammars = GrammarAdmission(GrammarCompiler(self.tokenizer, engine.limits.vocab_size,
-                                                         list(engine.spec.eos_token_ids)))
+        self.grammars = GrammarAdmission(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
         self.bounds = InputBounds(self.tokenizer, engine.max_model_len)
 
     # ------------------------------------------------------------------ admission

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import threading
 
 import pytest
 
@@ -39,8 +38,10 @@ BAD_SCHEMAS = {  # name: (schema, words the error must contain)
 
 
 @pytest.fixture(scope="module")
-def admission(compiler):
-    return GrammarAdmission(compiler)
+def admission(tokenizer):
+    gate = GrammarAdmission(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    yield gate
+    gate.shutdown()
 
 
 @pytest.mark.parametrize("name", list(BAD_SCHEMAS))
@@ -87,23 +88,23 @@ def test_choice_regex_grammar_pass(admission):
         assert admission.admit(params) == params
 
 
-def test_slow_compile_times_out_and_the_refusal_is_cached(compiler, monkeypatch):
-    """A compile past the deadline is a ValueError; the same spec again is refused without compiling."""
-    release, calls = threading.Event(), []
-    admission = GrammarAdmission(compiler, compile_timeout_s=0.2)
+def test_slow_compile_is_killed_at_its_deadline_and_the_refusal_is_cached(tokenizer):
+    """Four 2,000-character enum strings take seconds to compile: refused at the deadline, the compiling
+    process killed (its CPU back), the same spec again refused without compiling, and the next spec
+    gets a fresh worker."""
+    import psutil
 
-    def stuck(params):
-        calls.append(params)
-        release.wait(30)
-        return compiler.compile(params)
-
-    monkeypatch.setattr(admission.compiler, "compile", stuck)
-    params = StructuredOutputsParams(regex="[a-z]{5}")
+    admission = GrammarAdmission(tokenizer, len(tokenizer), [tokenizer.eos_token_id], compile_timeout_s=0.5)
+    slow = StructuredOutputsParams(json={"enum": [f"{i}" + "z" * 2000 for i in range(4)]})
     try:
+        admission.admit(StructuredOutputsParams(regex="[a-z]{3}"))  # the worker is up
+        pid = admission.worker.pid
         for _ in range(2):
-            with pytest.raises(ValueError, match="took longer than 0.2 s to compile"):
-                admission.admit(params)
-        assert len(calls) == 1
+            with pytest.raises(ValueError, match="took longer than 0.5 s to compile"):
+                admission.admit(slow)
+            assert admission.worker.pid is None  # killed, not restarted for the cached refusal
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        admission.admit(StructuredOutputsParams(choice=["a", "b"]))
+        assert admission.worker.pid not in (None, pid)
     finally:
-        release.set()
         admission.shutdown()
