@@ -99,6 +99,8 @@ class EngineCore:
             if not s.finished:
                 s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
             self._released.append(s.seq_id)
+            if self._structured is not None:  # an aborted structured sequence's grammar state goes too
+                self._structured.free(s.seq_id)
         self.scheduler.remove(req)
         req.metrics.finished_time = time.monotonic()
         if self.speculator is not None:

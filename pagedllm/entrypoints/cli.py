@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from pagedllm.config.args import EngineArgs
@@ -107,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.frontend.async_engine import AsyncEngine
     from pagedllm.server import create_app
     from pagedllm.server.guards import default_allowed_hosts
+    from pagedllm.server.tenants import load_api_keys
 
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
@@ -126,12 +128,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      stats_interval_s=args.stats_interval or None, metrics_token=args.metrics_token,
                      metrics_open=args.metrics_open, enable_docs=args.enable_docs, allowed_hosts=allowed_hosts,
                      allow_unknown_fields=args.allow_unknown_fields, tool_call_parser=args.tool_call_parser,
-                     chat_template=chat_template)
+                     chat_template=chat_template, restart_core=not args.no_restart_core,
+                     api_keys=load_api_keys(args.api_keys_file) if args.api_keys_file else None,
+                     on_core_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # uvicorn stops gracefully
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
-    return 0
+    return 1 if app.state.supervisor.gave_up else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -174,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route that shows data, /metrics and the KV "
                         "snapshot included; /health, /ping, /version stay open (default: $PAGEDLLM_API_KEY)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="a file of 'KEY TENANT' lines: each key is accepted as --api-key is, and each tenant's "
+                        "prefix cache is salted apart (no tenant hits, or can time, another's cached prompts)")
     p.add_argument("--metrics-token", default=os.environ.get("PAGEDLLM_METRICS_TOKEN"),
                    help="a second bearer token accepted on /metrics only, for a scraper (default: "
                         "$PAGEDLLM_METRICS_TOKEN)")
@@ -190,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parse tool calls out of outputs (needed for tool_choice 'auto'); hermes: <tool_call> JSON")
     p.add_argument("--allow-unknown-fields", action="store_true",
                    help="log a warning for unknown request fields instead of answering 400")
+    p.add_argument("--no-restart-core", action="store_true",
+                   help="when the engine core process dies, exit non-zero (for an orchestrator that restarts pods) "
+                        "instead of restarting it (with backoff, at most 5 tries)")
     p.add_argument("--stats-interval", type=float, default=10.0,
                    help="seconds between stats lines in the log (0: none)")
     EngineArgs.add_cli_args(p.add_argument_group("engine"))

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedllm.config.args import EngineArgs
-from pagedllm.frontend.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
+from pagedllm.frontend.core_client import CoreClient, EngineCoreDied, ProcessCoreClient, ThreadCoreClient
 from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest
 from pagedllm.frontend.heap import trim_heap
 from pagedllm.protocol.limits import RequestLimits
@@ -68,7 +68,24 @@ class AsyncEngine:
 
     def _on_error(self, e: BaseException) -> None:
         for rid in list(self._streams):
-            self._push(rid, e)
+            self._push(rid, EngineCoreDied(f"the engine core failed during this request: {e}"))
+
+    @property
+    def can_restart_core(self) -> bool:
+        return isinstance(self.client, ProcessCoreClient)
+
+    def restart_core(self) -> None:
+        """Start a fresh core process in place of one that died (the server's supervisor calls this; the
+        requests it held have already failed). Raises whatever stops the new core from starting."""
+        if not self.can_restart_core:
+            raise RuntimeError("only an engine core in its own process can be restarted")
+        old = self.client
+        new = ProcessCoreClient(self.args, self._on_outputs, self._on_error)
+        with self._lock:
+            for rid in list(self.processor.requests):  # the dead core's requests: their streams have their error
+                self.processor.abort(rid)
+        self.client = new
+        old.shutdown()
 
     def _push(self, request_id: str, item: Any) -> None:
         entry = self._streams.get(request_id)
@@ -114,6 +131,8 @@ class AsyncEngine:
             await asyncio.wrap_future(self.client.add(EngineCoreRequest(request_id, ids, params, cache_salt, now)))
             while True:
                 item = await q.get()
+                if isinstance(item, EngineCoreDied):
+                    raise item
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"engine failed: {item}") from item
                 yield item

@@ -32,6 +32,11 @@ OnError = Callable[[BaseException], None]
 IDLE_WAIT_S = 0.05
 
 
+class EngineCoreDied(RuntimeError):
+    """The engine core failed or its process died: the request cannot complete (the server answers 503
+    and, unless told not to, restarts the core)."""
+
+
 def _apply(core, cmd: tuple) -> Any:
     kind = cmd[0]
     if kind == "add":
@@ -88,7 +93,7 @@ class CoreClient:
     def submit(self, *body: Any, wait: bool = True) -> Future | None:
         """Send a command; with ``wait`` a Future gets its result (or its exception)."""
         if self.error is not None:
-            raise RuntimeError(f"engine core failed: {self.error}")
+            raise EngineCoreDied(f"engine core failed: {self.error}")
         fut = None
         with self._lock:
             call_id = None
@@ -110,7 +115,7 @@ class CoreClient:
         log.error("engine core failed: %s", e)
         for fut in list(self._calls.values()):
             if not fut.done():  # a caller may have cancelled it
-                fut.set_exception(RuntimeError(f"engine core failed: {e}"))
+                fut.set_exception(EngineCoreDied(f"engine core failed: {e}"))
         self._calls.clear()
         if self._on_error is not None:
             self._on_error(e)
@@ -235,7 +240,7 @@ class ProcessCoreClient(CoreClient):
                 self._conn.send(cmd)
         except (OSError, ValueError) as e:
             self._fail(RuntimeError(f"engine core process is gone: {e}"))
-            raise RuntimeError(f"engine core failed: {self.error}") from e
+            raise EngineCoreDied(f"engine core failed: {self.error}") from e
 
     def _read(self, on_outputs: OnOutputs) -> None:
         while True:

@@ -24,11 +24,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.config.version import __version__
 from pagedllm.frontend.async_engine import AsyncEngine
+from pagedllm.frontend.core_client import EngineCoreDied
 from pagedllm.protocol.outputs import RequestOutput
 from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.server.chat_tools import ToolPlan, render_chat, template_messages
 from pagedllm.server.errors import APIError
 from pagedllm.server.echo_logprobs import prompt_completion_logprobs
+from pagedllm.server.core_supervisor import (
+    CoreDownMiddleware, CoreSupervisor, core_died_error, core_died_info, supervised_lifespan,
+)
+from pagedllm.server.input_bounds import InputBounds, prompt_chars
 from pagedllm.server.guards import (
     APIKeyMiddleware, HostCheckMiddleware, SizeLimitMiddleware, bad_text_field, error_response,
 )
@@ -41,9 +46,11 @@ from pagedllm.server.protocol import (
 )
 from pagedllm.server.request_extras import check_unknown_fields
 from pagedllm.server.routes_utility import router as utility_router
+from pagedllm.server.tenants import request_tenant, tenant_cache_salt
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
 from pagedllm.server.tool_calls import get_tool_parser
-from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
+from pagedllm.structured import StructuredOutputsParams
+from pagedllm.structured.admission import GrammarAdmission
 
 log = logging.getLogger("pagedllm.server")
 
@@ -63,7 +70,8 @@ class OpenAIServing:
         self.allow_unknown_fields = allow_unknown_fields
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template
-        self.grammars = GrammarCompiler(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
+        self.grammars = GrammarAdmission(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
+        self.bounds = InputBounds(self.tokenizer, engine.max_model_len)
 
     # ------------------------------------------------------------------ admission
     @staticmethod
@@ -98,6 +106,8 @@ class OpenAIServing:
                     raise ValueError("tool_choice forces a tool call, which conflicts with response_format "
                                      "and the structured-output fields")
                 extras["structured_outputs"] = structured
+            if extras["structured_outputs"] is not None:  # checked and compiled before any tokenizing
+                extras["structured_outputs"] = self.grammars.admit(extras["structured_outputs"])
             ids = tokenize(eng)
             if body.truncate_prompt_tokens is not None:
                 ids = [p[-body.truncate_prompt_tokens:] for p in ids]
@@ -109,8 +119,6 @@ class OpenAIServing:
                 limit = max(1, min(eng.max_model_len - longest, per_sample))
             params = dataclasses.replace(body.sampling_params(limit, logprobs), prompt_logprobs=prompt_logprobs,
                                          **extras)
-            if params.structured_outputs is not None:
-                self.grammars.compile(params.structured_outputs)
             for prompt_ids in ids:
                 eng.validate(prompt_ids, params)
             if max_tokens is not None and max(map(len, ids)) + max_tokens > eng.max_model_len:
@@ -223,6 +231,7 @@ class OpenAIServing:
             body.prompt[0], int) else [body.prompt]
         if not prompts or any(not p for p in prompts):
             raise APIError(400, "prompt must not be empty", param="prompt")
+        self.bounds.check(prompt_chars(prompts), "prompt")
         if body.max_tokens < 0:
             raise APIError(400, f"max_tokens must be >= 0, got {body.max_tokens}", param="max_tokens")
         if body.max_tokens == 0 and not body.echo:
@@ -239,6 +248,7 @@ class OpenAIServing:
         else:
             echo = None
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), params.n
+        salt = tenant_cache_salt(request_tenant(request), body.cache_salt)
         offsets: dict[int, int] = {}  # per choice: characters emitted so far (for text_offset)
 
         def choice(i: int, d: Delta, index: int, out: RequestOutput) -> CompletionChoice:
@@ -259,7 +269,7 @@ class OpenAIServing:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         if not body.stream:
-            finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
+            finals = {i: out async for i, out in self.run(request, ids, params, rid, salt) if out.finished}
             choices = [choice(i, Delta.whole(o), i * n + o.index, finals[i]) for i in sorted(finals)
                        for o in finals[i].outputs]
             return JSONResponse(response(choices, self.usage(ids, finals, body.max_tokens > 0)).model_dump())
@@ -267,7 +277,7 @@ class OpenAIServing:
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
             finals: dict[int, RequestOutput] = {}
-            async for i, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for i, out in self.run(request, ids, params, rid, salt):
                 if out.finished:
                     finals[i] = out
                 choices = []
@@ -292,19 +302,21 @@ class OpenAIServing:
             messages = template_messages(body.messages)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
+        self.bounds.check(sum(len(m["content"]) for m in messages), "messages")
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         ids, params = await self.admit(
             body, lambda eng: [render_chat(eng.tokenizer, messages, plan.tools, self.chat_template)], max_tokens,
             top_n if body.logprobs else None, structured=plan.structured)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        salt = tenant_cache_salt(request_tenant(request), body.cache_salt)
 
         def logprobs(d: Delta) -> ChatLogprobs | None:
             return self.chat_logprobs(d, top_n) if body.logprobs else None
 
         if not body.stream:
             final = None
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, salt):
                 final = out
             choices = []
             for o in final.outputs:
@@ -325,7 +337,7 @@ class OpenAIServing:
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
             streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
             final = None
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, salt):
                 final = out
                 choices = []
                 for o in out.outputs:
@@ -360,6 +372,8 @@ class OpenAIServing:
                 if e.status == 499:  # the client went away: nobody to tell
                     return
                 yield f"data: {ErrorResponse(error=e.info).model_dump_json()}\n\n"
+            except EngineCoreDied as e:  # the supervisor restarts the core; the client may retry
+                yield f"data: {ErrorResponse(error=core_died_info(e)).model_dump_json()}\n\n"
             except Exception:  # noqa: BLE001 - reported to the client as an event, logged in full
                 log.exception("stream failed")
                 info = ErrorInfo(message="the server failed while generating this response", type="server_error")
@@ -446,22 +460,29 @@ async def _server_error(request: Request, e: Exception) -> JSONResponse:
 def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
                stats_interval_s: float | None = DEFAULT_INTERVAL_S, metrics_token: str | None = None,
                metrics_open: bool = False, enable_docs: bool = False, allowed_hosts: list[str] | None = None,
-               **serving_options) -> FastAPI:
+               restart_core: bool = True, on_core_lost: Callable[[], None] | None = None,
+               api_keys: dict[str, str] | None = None, **serving_options) -> FastAPI:
     """The server app over ``engine``; the model is served under ``served_model_name``.
 
     ``api_key`` guards every route that shows data (``guards.APIKeyMiddleware``; /metrics also takes
-    ``metrics_token`` or is left open by ``metrics_open``); ``enable_docs`` serves /docs, /redoc and
+    ``metrics_token`` or is left open by ``metrics_open``), as do ``api_keys`` ({key: tenant}: each
+    tenant's prefix cache salted apart, ``tenants``); ``enable_docs`` serves /docs, /redoc and
     /openapi.json (off by default); ``allowed_hosts`` (None: no check) are the Host names accepted;
     ``serving_options`` (allow_unknown_fields, tool_call_parser, chat_template) go to ``OpenAIServing``;
-    a stats line is logged every ``stats_interval_s`` (None: never)."""
+    a stats line is logged every ``stats_interval_s`` (None: never). A dead engine core is restarted
+    (``restart_core``) or, that off or failing, ``on_core_lost`` runs (``core_supervisor``)."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=stats_lifespan(engine, stats_interval_s), **docs)
+    supervisor = CoreSupervisor(engine, restart=restart_core, on_give_up=on_core_lost)
+    app = FastAPI(title="pagedllm", version=__version__,
+                  lifespan=supervised_lifespan(stats_lifespan(engine, stats_interval_s), supervisor), **docs)
     app.state.engine = engine
+    app.state.supervisor = supervisor
     model_name = served_model_name or engine.model_name
     app.state.metrics = ServerMetrics(model_name)
     app.state.serving = OpenAIServing(engine, model_name, app.state.metrics,
                                       **serving_options)
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(EngineCoreDied, core_died_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
@@ -474,8 +495,10 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
             raise
     else:
         app.include_router(dashboard_router)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_token=metrics_token, metrics_open=metrics_open)
+    if api_key or api_keys:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_token=metrics_token, metrics_open=metrics_open,
+                           tenant_keys=api_keys)
+    app.add_middleware(CoreDownMiddleware, engine=engine)
     app.add_middleware(SizeLimitMiddleware)
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # added last: runs first

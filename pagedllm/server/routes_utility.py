@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,11 +49,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         raise _error(400, "send exactly one of prompt and messages", param="prompt")
     if body.model is not None and body.model != s.model_name:
         raise _error(400, f"model {body.model!r} is not served here", param="model", code="model_not_found")
-    if body.prompt is not None:
-        ids = s.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    if body.prompt is not None:  # refused by its length before tokenizing; tokenized off the event loop
+        s.bounds.check(len(body.prompt), "prompt")
+        ids = await asyncio.to_thread(s.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     else:
+        s.bounds.check(sum(len(str(m.get("content", ""))) for m in body.messages), "messages")
         try:
-            ids = render_chat(s.tokenizer, body.messages, None, s.chat_template)
+            ids = await asyncio.to_thread(render_chat, s.tokenizer, body.messages, None, s.chat_template)
         except Exception as e:  # noqa: BLE001 - a template error is the client's message's fault
             raise _error(400, f"messages cannot be rendered: {e}", param="messages") from e
     return {"tokens": ids, "count": len(ids), "max_model_len": s.engine.max_model_len}

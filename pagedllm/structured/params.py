@@ -32,7 +32,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
         if self.json_object is not False and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
