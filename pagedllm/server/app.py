@@ -29,10 +29,12 @@ from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.server.chat_tools import ToolPlan, render_chat, template_messages
 from pagedllm.server.errors import APIError
 from pagedllm.server.echo_logprobs import prompt_completion_logprobs
+from pagedllm.server.inert_fields import mark_ignored
 from pagedllm.server.guards import (
     APIKeyMiddleware, HostCheckMiddleware, SizeLimitMiddleware, bad_text_field, error_response,
 )
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.server.prompt_logprobs import vllm_prompt_logprobs
 from pagedllm.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -55,7 +57,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
                  allow_unknown_fields: bool = False, tool_call_parser: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, return_tokens_as_token_ids: bool = False):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -63,6 +65,7 @@ class OpenAIServing:
         self.allow_unknown_fields = allow_unknown_fields
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.grammars = GrammarCompiler(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
 
     # ------------------------------------------------------------------ admission
@@ -76,7 +79,7 @@ class OpenAIServing:
 
     def check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     async def admit(self, body: SamplingRequest, tokenize: Callable[[AsyncEngine], list[list[int]]],
@@ -90,6 +93,17 @@ class OpenAIServing:
             check_unknown_fields(body, self.allow_unknown_fields)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(": ", 1)[1].split(",")[0]) from e
+
+        if body.priority != 0 and self.engine.args.scheduling_policy != "priority":
+            raise APIError(400, f"priority {body.priority} needs the server started with --scheduling-policy "
+                           "priority", param="priority")
+        if body.prompt_logprobs is not None:
+            if body.stream:
+                raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+            if prompt_logprobs is not None and prompt_logprobs != body.prompt_logprobs:
+                raise APIError(400, f"prompt_logprobs ({body.prompt_logprobs}) must equal logprobs ({prompt_logprobs}) "
+                               "with echo", param="prompt_logprobs")
+            prompt_logprobs = body.prompt_logprobs
 
         def run(eng: AsyncEngine) -> tuple[list[list[int]], SamplingParams]:
             extras = body.extra_sampling_kwargs(eng.limits.vocab_size)
@@ -187,21 +201,31 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, d: Delta, offset: int) -> CompletionLogprobs:
+    def logprob_token_namer(self, body: SamplingRequest) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or vLLM's "token_id:N" under return_tokens_as_token_ids (the
+        request's field, else the server's flag)."""
+        as_ids = body.return_tokens_as_token_ids
+        if as_ids if as_ids is not None else self.return_tokens_as_token_ids:
+            return lambda tid: f"token_id:{tid}"
+        return self.token_text
+
+    @staticmethod
+    def completion_logprobs(d: Delta, offset: int, name: Callable[[int], str]) -> CompletionLogprobs:
         """OpenAI completions shape; ``offset`` is where the first new token starts in the choice's text."""
         lp = CompletionLogprobs()
         for tid, entry in zip(d.token_ids, d.logprobs or []):
-            tok = self.token_text(tid)
+            tok = name(tid)
             lp.tokens.append(tok)
             lp.token_logprobs.append(entry[tid])
-            lp.top_logprobs.append({self.token_text(t): v for t, v in entry.items()})
+            lp.top_logprobs.append({name(t): v for t, v in entry.items()})
             lp.text_offset.append(offset)
             offset += len(tok)
         return lp
 
-    def chat_logprobs(self, d: Delta, top_n: int) -> ChatLogprobs:
+    @staticmethod
+    def chat_logprobs(d: Delta, top_n: int, name: Callable[[int], str]) -> ChatLogprobs:
         def top(tid: int, logprob: float) -> dict:
-            tok = self.token_text(tid)
+            tok = name(tid)
             return {"token": tok, "logprob": logprob, "bytes": list(tok.encode())}
 
         return ChatLogprobs(content=[
@@ -230,15 +254,20 @@ class OpenAIServing:
         # echo + logprobs scores the prompt too (lm-eval's loglikelihood); max_tokens 0 generates one token
         # and drops it
         scores_prompt = body.echo and body.logprobs is not None
-        ids, params = await self.admit(body, lambda eng: [eng.tokenize(p)[1] for p in prompts],
-                                       max(body.max_tokens, 1), body.logprobs,
+
+        def tokenize(eng: AsyncEngine) -> list[list[int]]:
+            return [eng.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) and not
+                    body.add_special_tokens else eng.tokenize(p)[1] for p in prompts]
+
+        ids, params = await self.admit(body, tokenize, max(body.max_tokens, 1), body.logprobs,
                                        prompt_logprobs=body.logprobs if scores_prompt else None)
         if body.echo:
             echo = [p if isinstance(p, str) and not scores_prompt else "".join(map(self.token_text, ids[i]))
                     for i, p in enumerate(prompts)]
         else:
             echo = None
-        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), params.n
+        rid, created, n = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), params.n
+        name = self.logprob_token_namer(body)
         offsets: dict[int, int] = {}  # per choice: characters emitted so far (for text_offset)
 
         def choice(i: int, d: Delta, index: int, out: RequestOutput) -> CompletionChoice:
@@ -246,14 +275,14 @@ class OpenAIServing:
                 d = Delta("", [], [], d.finish_reason and "length", None)
             prefix = echo[i] if echo is not None and index not in offsets else ""
             start = offsets.get(index, len(prefix))
-            lp = self.completion_logprobs(d, start) if params.logprobs is not None else None
+            lp = self.completion_logprobs(d, start, name) if params.logprobs is not None else None
             offsets[index] = start + sum(map(len, lp.tokens)) if lp else start
             if prefix and lp is not None:  # the prompt's logprobs come first, as the echoed text does
                 head = prompt_completion_logprobs(ids[i], self.prompt_logprobs(out), self.token_text)
                 lp = CompletionLogprobs(**{k: getattr(head, k) + getattr(lp, k)
                                            for k in CompletionLogprobs.model_fields})
             return CompletionChoice(index=index, text=prefix + d.text, logprobs=lp, finish_reason=d.finish_reason,
-                                    stop_reason=d.stop_reason)
+                                    stop_reason=d.stop_reason, prompt_logprobs=self.vllm_prompt_logprobs(body, out))
 
         def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
@@ -266,10 +295,9 @@ class OpenAIServing:
 
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
-            finals: dict[int, RequestOutput] = {}
+            latest: dict[int, RequestOutput] = {}
             async for i, out in self.run(request, ids, params, rid, body.cache_salt):
-                if out.finished:
-                    finals[i] = out
+                latest[i] = out
                 choices = []
                 for o in out.outputs:
                     index = i * n + o.index
@@ -277,11 +305,18 @@ class OpenAIServing:
                     if d is not None and (d.text or d.token_ids or d.finish_reason):
                         choices.append(choice(i, d, index, out))
                 if choices:
-                    yield response(choices)
+                    yield response(choices, self.usage(ids, latest, body.max_tokens > 0)
+                                   if body.continuous_usage else None)
             if body.include_usage:
-                yield response([], self.usage(ids, finals, body.max_tokens > 0))
+                yield response([], self.usage(ids, latest, body.max_tokens > 0))
 
         return self.sse(chunks())
+
+    def vllm_prompt_logprobs(self, body: SamplingRequest, out: RequestOutput) -> list | None:
+        """vLLM's ``prompt_logprobs`` field when the request asked for it, else None (left out)."""
+        if body.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.prompt_logprobs(out), body.prompt_logprobs, self.logprob_token_namer(body))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_text(body)
@@ -290,17 +325,20 @@ class OpenAIServing:
         try:
             plan = ToolPlan.from_request(body, self.tool_parser)
             messages = template_messages(body.messages)
+            template_kwargs = body.template_kwargs()
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         ids, params = await self.admit(
-            body, lambda eng: [render_chat(eng.tokenizer, messages, plan.tools, self.chat_template)], max_tokens,
-            top_n if body.logprobs else None, structured=plan.structured)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+            body, lambda eng: [render_chat(eng.tokenizer, messages, plan.tools, self.chat_template, template_kwargs,
+                                           body.add_special_tokens)],
+            max_tokens, top_n if body.logprobs else None, structured=plan.structured)
+        rid, created = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
+        name = self.logprob_token_namer(body)
 
         def logprobs(d: Delta) -> ChatLogprobs | None:
-            return self.chat_logprobs(d, top_n) if body.logprobs else None
+            return self.chat_logprobs(d, top_n, name) if body.logprobs else None
 
         if not body.stream:
             final = None
@@ -313,20 +351,25 @@ class OpenAIServing:
                                           logprobs=logprobs(Delta.whole(o)), stop_reason=o.stop_reason,
                                           finish_reason="tool_calls" if calls else o.finish_reason))
             resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                          usage=self.usage(ids, {0: final}))
+                                          usage=self.usage(ids, {0: final}),
+                                          prompt_logprobs=self.vllm_prompt_logprobs(body, final))
             return JSONResponse(resp.model_dump())
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         async def chunks() -> AsyncIterator[BaseModel]:
-            yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
-                         for j in range(params.n)])
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
             streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
-            final = None
+            final, role_sent = None, False
             async for _, out in self.run(request, ids, params, rid, body.cache_salt):
                 final = out
+                usage = self.usage(ids, {0: out}) if body.continuous_usage else None
+                if not role_sent and (out.finished or any(o.token_ids for o in out.outputs)):
+                    # the role goes out with the first token (as vLLM's), so a client's TTFT is true
+                    role_sent = True
+                    yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                                 for j in range(params.n)], usage)
                 choices = []
                 for o in out.outputs:
                     d = trackers[o.index].advance(o)
@@ -340,7 +383,7 @@ class OpenAIServing:
                     choices.append(ChatChunkChoice(index=o.index, delta=delta, logprobs=logprobs(d),
                                                    finish_reason=reason))
                 if choices:
-                    yield chunk(choices)
+                    yield chunk(choices, usage)
             if body.include_usage:
                 yield chunk([], self.usage(ids, {0: final}))
 
@@ -379,12 +422,12 @@ def _serving(request: Request) -> OpenAIServing:
 
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    return await _serving(request).completions(body, request)
+    return mark_ignored(await _serving(request).completions(body, request), body)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _serving(request).chat(body, request)
+    return mark_ignored(await _serving(request).chat(body, request), body)
 
 
 @router.get("/v1/models", response_model=ModelList)

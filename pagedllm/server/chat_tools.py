@@ -104,18 +104,21 @@ def _loads(arguments: str):
         raise ValueError(f"messages: tool_calls arguments must be JSON text: {e}") from e
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, chat_template: str | None) -> list[int]:
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, chat_template: str | None,
+                template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
     """Prompt ids for the conversation under ``chat_template`` (default: the model's), tools included.
 
-    A template that never reads ``tools`` would drop them silently, so that is an error.
+    ``template_kwargs`` (vLLM's add_generation_prompt, continue_final_message, documents,
+    chat_template_kwargs) go to the template; the text is then tokenized with ``add_special_tokens``, as
+    vLLM does. A template that never reads ``tools`` or ``documents`` would drop them silently, so that is
+    an error.
     """
     template = chat_template or tokenizer.chat_template
-    if tools and "tools" not in (template or ""):
-        raise ValueError("tools: this model's chat template does not render tools; start the server with "
-                         "--chat-template (e.g. pagedllm/server/chat_templates/hermes_tools.jinja)")
-    ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=True,
-                                        tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
+    kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+    for name, given in (("tools", tools), ("documents", kwargs.get("documents"))):
+        if given and name not in (template or ""):
+            hint = " (e.g. pagedllm/server/chat_templates/hermes_tools.jinja)" if name == "tools" else ""
+            raise ValueError(f"{name}: this model's chat template does not render {name}; start the server with "
+                             f"a --chat-template that does{hint}")
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False, **kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
