@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from pagedllm.config.args_help import ENGINE_FLAG_HELP, SIZE_FIELDS, parse_size
+from pagedllm.config.args_help import ENGINE_FLAG_HELP, GIB_FIELDS, SIZE_FIELDS, parse_gib_size, parse_size
 
 @dataclass
 class EngineArgs:
@@ -48,7 +48,8 @@ class EngineArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
             elif f.name in SIZE_FIELDS:
-                parser.add_argument(flag, type=parse_size, default=f.default, help=helptext)
+                kind = parse_gib_size if f.name in GIB_FIELDS else parse_size
+                parser.add_argument(flag, type=kind, default=f.default, help=helptext)
             elif f.name in ("model",):
                 parser.add_argument(flag, default=f.default, help=helptext)
             else:

@@ -8,6 +8,9 @@ import os
 import sys
 
 from pagedllm.config.args import EngineArgs
+from pagedllm.entrypoints.vllm_flags import (
+    add_vllm_serve_flags, apply_vllm_serve_flags, log_vllm_serve_notes, resolve_cli_dtypes,
+)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -126,9 +129,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      stats_interval_s=args.stats_interval or None, metrics_token=args.metrics_token,
                      metrics_open=args.metrics_open, enable_docs=args.enable_docs, allowed_hosts=allowed_hosts,
                      allow_unknown_fields=args.allow_unknown_fields, tool_call_parser=args.tool_call_parser,
-                     chat_template=chat_template)
+                     chat_template=chat_template, allowed_origins=args.allowed_origins,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids, max_logprobs=args.max_logprobs,
+                     log_requests=args.enable_log_requests)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, root_path=args.root_path,
+                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     finally:
         engine.shutdown()
     return 0
@@ -193,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-interval", type=float, default=10.0,
                    help="seconds between stats lines in the log (0: none)")
     EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
     # no option prefix: every word after "bench", --help included, belongs to the benchmark CLI
@@ -218,12 +225,24 @@ def _is_worker_rank(args: argparse.Namespace) -> bool:
             and os.environ.get("RANK", "0") != "0")
 
 
+def prepare(args: argparse.Namespace) -> argparse.Namespace:
+    """The parsed command line made whole: the positional model, vLLM's dtype names and serve flags; ValueError
+    (saying why) for settings that cannot run, before anything starts."""
+    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")  # also after serve
+    _model_tag(args)
+    if hasattr(args, "dtype"):
+        resolve_cli_dtypes(args)
+    if args.command == "serve":
+        apply_vllm_serve_flags(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        _model_tag(args)
+        prepare(args)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        log_vllm_serve_notes(args)
         if _is_worker_rank(args):
             from pagedllm.executor.external_launcher import serve_rank
 
@@ -232,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except ValueError as e:  # bad settings or prompt, as the engine words it
+    except ValueError as e:  # bad settings or prompt, as the engine words it (logging may not be set up yet)
         print(f"pagedllm: error: {e}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -57,7 +58,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
                  allow_unknown_fields: bool = False, tool_call_parser: str | None = None,
-                 chat_template: str | None = None, return_tokens_as_token_ids: bool = False):
+                 chat_template: str | None = None, return_tokens_as_token_ids: bool = False, max_logprobs: int = 20,
+                 log_requests: bool = False):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -66,6 +68,8 @@ class OpenAIServing:
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.chat_template = chat_template
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.max_logprobs = max_logprobs  # vLLM's --max-logprobs
+        self.log_requests = log_requests  # vLLM's --enable-log-requests
         self.grammars = GrammarCompiler(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
 
     # ------------------------------------------------------------------ admission
@@ -123,6 +127,10 @@ class OpenAIServing:
                 limit = max(1, min(eng.max_model_len - longest, per_sample))
             params = dataclasses.replace(body.sampling_params(limit, logprobs), prompt_logprobs=prompt_logprobs,
                                          **extras)
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(params, name) or 0) > self.max_logprobs:
+                    raise ValueError(f"{name} {getattr(params, name)} is over this server's --max-logprobs "
+                                     f"({self.max_logprobs})")
             if params.structured_outputs is not None:
                 self.grammars.compile(params.structured_outputs)
             for prompt_ids in ids:
@@ -163,6 +171,8 @@ class OpenAIServing:
             except Exception as e:  # noqa: BLE001 - re-raised by the consumer
                 q.put_nowait((i, e))
 
+        if self.log_requests:
+            log.info("request %s: %s prompt tokens, %s", request_id, [len(p) for p in prompts], params)
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         unfinished = len(tasks)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
@@ -489,13 +499,14 @@ async def _server_error(request: Request, e: Exception) -> JSONResponse:
 def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
                stats_interval_s: float | None = DEFAULT_INTERVAL_S, metrics_token: str | None = None,
                metrics_open: bool = False, enable_docs: bool = False, allowed_hosts: list[str] | None = None,
-               **serving_options) -> FastAPI:
+               allowed_origins: list[str] | None = None, **serving_options) -> FastAPI:
     """The server app over ``engine``; the model is served under ``served_model_name``.
 
     ``api_key`` guards every route that shows data (``guards.APIKeyMiddleware``; /metrics also takes
     ``metrics_token`` or is left open by ``metrics_open``); ``enable_docs`` serves /docs, /redoc and
     /openapi.json (off by default); ``allowed_hosts`` (None: no check) are the Host names accepted;
-    ``serving_options`` (allow_unknown_fields, tool_call_parser, chat_template) go to ``OpenAIServing``;
+    ``allowed_origins`` (vLLM's --allowed-origins) turns on CORS for them; ``serving_options``
+    (allow_unknown_fields, tool_call_parser, chat_template...) go to ``OpenAIServing``;
     a stats line is logged every ``stats_interval_s`` (None: never)."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pagedllm", version=__version__, lifespan=stats_lifespan(engine, stats_interval_s), **docs)
@@ -520,6 +531,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_token=metrics_token, metrics_open=metrics_open)
     app.add_middleware(SizeLimitMiddleware)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # added last: runs first
     return app
