@@ -23,7 +23,8 @@ ENGINE_FLAG_HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps so decodes keep running",
     "preemption_mode": "what frees blocks under memory pressure: recompute or swap",
-    "scheduling_policy": "admission order: fcfs or lpm (longest prefix match first)",
+    "scheduling_policy": "admission order: fcfs, lpm (longest prefix match first) or priority (a request's priority "
+                         "field, lowest first, as vLLM's)",
     "batching": "continuous (admit every step) or static",
     "attention_backend": "auto, cpu, reference, flex or triton",
     "check_integrity": "verify the KV pool's bookkeeping after every step (slow; for debugging)",

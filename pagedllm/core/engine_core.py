@@ -75,7 +75,8 @@ class EngineCore:
         if r.request_id in self.requests:
             raise ValueError(f"request id {r.request_id!r} is already in use")
         self.limits.check(r.prompt_token_ids, r.params)
-        req = Request(r.request_id, None, list(r.prompt_token_ids), r.params, cache_salt=r.cache_salt)
+        req = Request(r.request_id, None, list(r.prompt_token_ids), r.params, cache_salt=r.cache_salt,
+                      priority=r.priority)
         if r.arrival_time is not None:
             req.arrival_time = req.metrics.arrival_time = r.arrival_time
         seq = Sequence(req, 0, list(r.prompt_token_ids))

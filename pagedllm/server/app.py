@@ -149,8 +149,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                  cache_salt: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  body: SamplingRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run each prompt as its own engine request; yield (prompt index, cumulative output) as they come.
+        ``body`` gives the cache salt and priority; a client's own request_id may repeat, so the engine's ids
+        then get a unique suffix.
 
         Leaving early (the client went away, or the consumer was cancelled) cancels the pumps, and
         each pump's ``AsyncEngine.generate`` aborts its request, freeing the blocks.
@@ -160,7 +162,8 @@ class OpenAIServing:
         async def pump(i: int, ids: list[int]) -> None:
             last = None
             try:
-                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", cache_salt):
+                async for out in self.engine.generate(ids, params, f"{engine_id}-{i}", body.cache_salt,
+                                                      body.priority):
                     now = time.monotonic()
                     if last is not None:
                         self.metrics.observe_inter_token(now - last)
@@ -173,6 +176,7 @@ class OpenAIServing:
 
         if self.log_requests:
             log.info("request %s: %s prompt tokens, %s", request_id, [len(p) for p in prompts], params)
+        engine_id = request_id if body.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         unfinished = len(tasks)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
@@ -298,7 +302,7 @@ class OpenAIServing:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         if not body.stream:
-            finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
+            finals = {i: out async for i, out in self.run(request, ids, params, rid, body) if out.finished}
             choices = [choice(i, Delta.whole(o), i * n + o.index, finals[i]) for i in sorted(finals)
                        for o in finals[i].outputs]
             return JSONResponse(response(choices, self.usage(ids, finals, body.max_tokens > 0)).model_dump())
@@ -306,7 +310,7 @@ class OpenAIServing:
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
             latest: dict[int, RequestOutput] = {}
-            async for i, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for i, out in self.run(request, ids, params, rid, body):
                 latest[i] = out
                 choices = []
                 for o in out.outputs:
@@ -352,7 +356,7 @@ class OpenAIServing:
 
         if not body.stream:
             final = None
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, body):
                 final = out
             choices = []
             for o in final.outputs:
@@ -372,7 +376,7 @@ class OpenAIServing:
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
             streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
             final, role_sent = None, False
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, body):
                 final = out
                 usage = self.usage(ids, {0: out}) if body.continuous_usage else None
                 if not role_sent and (out.finished or any(o.token_ids for o in out.outputs)):
