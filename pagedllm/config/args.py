@@ -38,6 +38,8 @@ class EngineArgs:
     ray_address: str | None = None  # an existing Ray cluster for the replicas; None: a local instance
     disaggregate: str | None = None  # "prefill=P,decode=D": prefill and decode on separate replicas
     seed: int = 0
+    # issue 33: vLLM compatibility
+    kv_events_config: str | None = None  # vLLM's JSON: publish KV cache events over ZeroMQ (kv/kv_events.py)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,9 @@ ENGINE_FLAG_HELP = {
     "distributed_executor_backend": "where the worker runs: uni (in the engine core's process), mp (a child process), "
                                     "or external_launcher (ranks torchrun started, across nodes: rank 0 runs the "
                                     "engine and the server, the others execute its steps)",
+    "kv_events_config": "publish KV cache events for KV-aware routers, vLLM's JSON: '{\"enable_kv_cache_events\": "
+                        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' (optional replay_endpoint, "
+                        "topic, buffer_steps, hwm)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(methods: ngram, suffix, draft_model with model or num_layers)",
 }

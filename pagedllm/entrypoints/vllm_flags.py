@@ -14,6 +14,7 @@ import logging
 import os
 
 from pagedllm.config.args import EngineArgs
+from pagedllm.kv.kv_events import KVEventsConfig
 
 log = logging.getLogger("pagedllm.cli")
 
@@ -129,6 +130,8 @@ def apply_vllm_serve_flags(args: argparse.Namespace) -> None:
     if backend not in ("auto", "xgrammar"):
         raise ValueError(f"--structured-outputs-config backend {backend!r}: structured outputs use xgrammar")
     _check_generation_config(args.generation_config, args.model)
+    if args.kv_events_config is not None:
+        KVEventsConfig.from_json(args.kv_events_config)
     if args.disable_log_stats:
         args.stats_interval = 0
     args.uvicorn_log_level = args.uvicorn_log_level or args.log_level
