@@ -345,8 +345,9 @@ class OpenAIServing:
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         ids, params = await self.admit(
-            body, lambda eng: [render_chat(eng.tokenizer, messages, plan.tools, self.chat_template, template_kwargs,
-                                           body.add_special_tokens)],
+            body, lambda eng: [render_chat(eng.tokenizer, messages,
+                                           plan.template_tools(self.chat_template or eng.tokenizer.chat_template),
+                                           self.chat_template, template_kwargs, body.add_special_tokens)],
             max_tokens, top_n if body.logprobs else None, structured=plan.structured)
         rid, created = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
         name = self.logprob_token_namer(body)

@@ -3,7 +3,9 @@ how the output becomes ``tool_calls`` (whole, or as streamed deltas)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import dataclass
 
 from pagedllm.server.tool_calls import (
@@ -11,6 +13,8 @@ from pagedllm.server.tool_calls import (
     tool_choice_grammar,
 )
 from pagedllm.structured import StructuredOutputsParams
+
+log = logging.getLogger("pagedllm.server")
 
 
 @dataclass
@@ -38,6 +42,15 @@ class ToolPlan:
     @property
     def forced(self) -> bool:
         return self.structured is not None
+
+    def template_tools(self, template: str | None) -> list[dict] | None:
+        """The tools the chat template renders. A forced call (named or required) needs no template support,
+        as in vLLM: its grammar holds the function's arguments schema; a template that cannot render tools
+        then renders the conversation alone."""
+        if self.forced and not renders(template, "tools"):
+            _note_unrendered_tools()
+            return None
+        return self.tools
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output; text a forced call's grammar did not shape (cut
@@ -104,6 +117,17 @@ def _loads(arguments: str):
         raise ValueError(f"messages: tool_calls arguments must be JSON text: {e}") from e
 
 
+@functools.cache
+def _note_unrendered_tools() -> None:
+    log.info("tool_choice forces a call on a chat template that does not render tools: the model sees the "
+             "conversation only, the arguments schema holds its output (as vLLM); logged once")
+
+
+def renders(template: str | None, name: str) -> bool:
+    """Whether a Jinja chat template reads the variable ``name`` at all."""
+    return name in (template or "")
+
+
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, chat_template: str | None,
                 template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
     """Prompt ids for the conversation under ``chat_template`` (default: the model's), tools included.
@@ -116,7 +140,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, chat_
     template = chat_template or tokenizer.chat_template
     kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
     for name, given in (("tools", tools), ("documents", kwargs.get("documents"))):
-        if given and name not in (template or ""):
+        if given and not renders(template, name):
             hint = " (e.g. pagedllm/server/chat_templates/hermes_tools.jinja)" if name == "tools" else ""
             raise ValueError(f"{name}: this model's chat template does not render {name}; start the server with "
                              f"a --chat-template that does{hint}")
