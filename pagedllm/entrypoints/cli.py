@@ -131,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      allow_unknown_fields=args.allow_unknown_fields, tool_call_parser=args.tool_call_parser,
                      chat_template=chat_template, allowed_origins=args.allowed_origins,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids, max_logprobs=args.max_logprobs,
-                     log_requests=args.enable_log_requests)
+                     log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, root_path=args.root_path,
                     ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)

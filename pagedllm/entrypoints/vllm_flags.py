@@ -73,7 +73,8 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="logprobs name tokens as 'token_id:N' (a request's field of the same name overrides)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto' (needs --tool-call-parser, as in vLLM)")
-    g.add_argument("--reasoning-parser", default=None, help="refused: no reasoning parser is built yet")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="<think>...</think> in outputs goes to reasoning_content (streamed too)")
     g.add_argument("--root-path", default="", help="path prefix the app is mounted under behind a proxy")
     g.add_argument("--allowed-origins", type=json.loads, default=None, help="CORS origins, JSON list (vLLM's)")
     g.add_argument("--ssl-keyfile", default=None, help="TLS private key file")
@@ -116,8 +117,6 @@ def apply_vllm_serve_flags(args: argparse.Namespace) -> None:
         got = getattr(args, name)
         if got != value and got not in _ONLY_ALSO.get(name, ()):
             raise ValueError(f"--{name.replace('_', '-')} {got}: {why}")
-    if args.reasoning_parser is not None:
-        raise ValueError(f"--reasoning-parser {args.reasoning_parser}: no reasoning parser is built yet")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.disable_fastapi_docs and args.enable_docs:

@@ -36,6 +36,7 @@ from pagedllm.server.guards import (
 )
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.server.prompt_logprobs import vllm_prompt_logprobs
+from pagedllm.server.reasoning import get_reasoning_parser
 from pagedllm.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -59,7 +60,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
                  allow_unknown_fields: bool = False, tool_call_parser: str | None = None,
                  chat_template: str | None = None, return_tokens_as_token_ids: bool = False, max_logprobs: int = 20,
-                 log_requests: bool = False):
+                 log_requests: bool = False, reasoning_parser: str | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -70,6 +71,7 @@ class OpenAIServing:
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_logprobs = max_logprobs  # vLLM's --max-logprobs
         self.log_requests = log_requests  # vLLM's --enable-log-requests
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.grammars = GrammarCompiler(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
 
     # ------------------------------------------------------------------ admission
@@ -355,14 +357,20 @@ class OpenAIServing:
         def logprobs(d: Delta) -> ChatLogprobs | None:
             return self.chat_logprobs(d, top_n, name) if body.logprobs else None
 
+        # a constrained output (structured outputs, a forced tool call) has no reasoning part to split off
+        reasoner = self.reasoning_parser if params.structured_outputs is None else None
+
         if not body.stream:
             final = None
             async for _, out in self.run(request, ids, params, rid, body):
                 final = out
             choices = []
             for o in final.outputs:
-                content, calls = plan.parse(o.text) if o.finish_reason != "length" else (o.text, [])
-                choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                reasoning, text = reasoner.split(o.text) if reasoner else ("", o.text)
+                content, calls = plan.parse(text) if o.finish_reason != "length" else (text, [])
+                message = ChatResponseMessage(content=content or None if reasoner else content, tool_calls=calls,
+                                              reasoning_content=reasoning or None if body.include_reasoning else None)
+                choices.append(ChatChoice(index=o.index, message=message,
                                           logprobs=logprobs(Delta.whole(o)), stop_reason=o.stop_reason,
                                           finish_reason="tool_calls" if calls else o.finish_reason))
             resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
@@ -376,6 +384,7 @@ class OpenAIServing:
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
             streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
+            reasoners = [reasoner.stream() for _ in range(params.n)] if reasoner else None
             final, role_sent = None, False
             async for _, out in self.run(request, ids, params, rid, body):
                 final = out
@@ -390,10 +399,17 @@ class OpenAIServing:
                     d = trackers[o.index].advance(o)
                     if d is None or not (d.text or d.token_ids or d.finish_reason):
                         continue
-                    delta, reason = DeltaMessage(content=d.text), d.finish_reason
-                    if streamers is not None:  # the text goes through the tool-call parser
-                        text, calls = streamers[o.index].advance(o.text, d.finish_reason is not None)
-                        delta = DeltaMessage(content=text or None, tool_calls=calls or None)
+                    delta, reason, text = DeltaMessage(content=d.text), d.finish_reason, o.text
+                    if reasoners is not None:  # reasoning and content split from the text released so far
+                        sent = o.text[:trackers[o.index].text_sent]
+                        new_r, new_c = reasoners[o.index].advance(sent, reason is not None)
+                        delta = DeltaMessage(content=new_c or None,
+                                             reasoning_content=new_r or None if body.include_reasoning else None)
+                        text = reasoners[o.index].content(sent, reason is not None)
+                    if streamers is not None:  # the (content) text goes through the tool-call parser
+                        text, calls = streamers[o.index].advance(text, d.finish_reason is not None)
+                        delta = DeltaMessage(content=text or None, reasoning_content=delta.reasoning_content,
+                                             tool_calls=calls or None)
                         reason = "tool_calls" if reason and streamers[o.index].calls_sent else reason
                     choices.append(ChatChunkChoice(index=o.index, delta=delta, logprobs=logprobs(d),
                                                    finish_reason=reason))

@@ -117,6 +117,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # the reply continues the last (assistant) message
     add_special_tokens: bool = False  # the template writes the special tokens itself
     documents: list[dict[str, str]] | None = None  # RAG documents, for templates that render them
+    include_reasoning: bool = True  # False: drop reasoning_content (with --reasoning-parser)
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``apply_chat_template``; ValueError naming the field for a bad combination."""
@@ -212,6 +213,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -236,6 +238,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
