@@ -87,7 +87,7 @@ def add_vllm_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", type=json.loads, default=None,
                    help="JSON; only the xgrammar (or auto) backend")
     if _own_gpu_memory_flag():
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+        g.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="vLLM's fraction of GPU memory; the KV pool here is sized by --kv-cache-memory or "
                             "--kv-cache-fraction")
     for name, (kind, why) in _INERT.items():
@@ -134,7 +134,8 @@ def apply_vllm_serve_flags(args: argparse.Namespace) -> None:
     if args.disable_log_stats:
         args.stats_interval = 0
     args.uvicorn_log_level = args.uvicorn_log_level or args.log_level
-    if _own_gpu_memory_flag() and not 0 < args.gpu_memory_utilization <= 1:
+    if _own_gpu_memory_flag() and args.gpu_memory_utilization is not None and \
+            not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
 
 
@@ -150,7 +151,7 @@ def log_vllm_serve_notes(args: argparse.Namespace) -> None:
     for name, (_, why) in _INERT.items():
         if getattr(args, name) not in (None, False):
             log.info("--%s: %s", name.replace("_", "-"), why)
-    if _own_gpu_memory_flag():
+    if _own_gpu_memory_flag() and args.gpu_memory_utilization is not None:
         log.info("--gpu-memory-utilization %s: the KV pool is sized by --kv-cache-memory / --kv-cache-fraction",
                  args.gpu_memory_utilization)
 
