@@ -12,6 +12,8 @@ from pagedllm.entrypoints.vllm_flags import (
     add_vllm_serve_flags, apply_vllm_serve_flags, log_vllm_serve_notes, resolve_cli_dtypes,
 )
 
+TOOL_CALL_PARSERS = ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]  # server/tool_parsers.py
+
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
@@ -192,8 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template (a file or the template text) replacing the model's, e.g. "
                         "pagedllm/server/chat_templates/hermes_tools.jinja to offer tools")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                   help="parse tool calls out of outputs (needed for tool_choice 'auto'); hermes: <tool_call> JSON")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="parse tool calls out of outputs (needed for tool_choice 'auto'): hermes (<tool_call> JSON), "
+                        "llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML); "
+                        "templates that render tools for each are in pagedllm/server/chat_templates/")
     p.add_argument("--allow-unknown-fields", action="store_true",
                    help="log a warning for unknown request fields instead of answering 400")
     p.add_argument("--stats-interval", type=float, default=10.0,

@@ -46,7 +46,7 @@ from pagedllm.server.protocol import (
 from pagedllm.server.request_extras import check_unknown_fields
 from pagedllm.server.routes_utility import router as utility_router
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
-from pagedllm.server.tool_calls import get_tool_parser
+from pagedllm.server.tool_parsers import get_tool_parser
 from pagedllm.structured import GrammarCompiler, StructuredOutputsParams
 
 log = logging.getLogger("pagedllm.server")

@@ -9,9 +9,9 @@ import logging
 from dataclasses import dataclass
 
 from pagedllm.server.tool_calls import (
-    DeltaFunctionCall, DeltaToolCall, HermesToolParser, ToolCall, ToolChoice, forced_tool_calls,
-    tool_choice_grammar,
+    DeltaFunctionCall, DeltaToolCall, ToolCall, ToolChoice, forced_tool_calls, tool_choice_grammar,
 )
+from pagedllm.server.tool_parsers import ToolParser
 from pagedllm.structured import StructuredOutputsParams
 
 log = logging.getLogger("pagedllm.server")
@@ -22,10 +22,10 @@ class ToolPlan:
     tools: list[dict] | None  # what the chat template renders (None: no tools offered)
     choice: ToolChoice
     structured: StructuredOutputsParams | None  # the grammar a named/required choice imposes
-    parser: HermesToolParser | None  # parses "auto" outputs
+    parser: ToolParser | None  # parses "auto" outputs
 
     @classmethod
-    def from_request(cls, body, parser: HermesToolParser | None) -> "ToolPlan":
+    def from_request(cls, body, parser: ToolParser | None) -> "ToolPlan":
         """ValueError naming the field for an impossible combination."""
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
         if not body.tools:
