@@ -44,6 +44,8 @@ from pagedllm.server.protocol import (
     PromptTokensDetails, SamplingRequest, TopLogprob, Usage,
 )
 from pagedllm.server.request_extras import check_unknown_fields
+from pagedllm.server.responses_api import ResponsesServing
+from pagedllm.server.responses_api import router as responses_router
 from pagedllm.server.routes_utility import router as utility_router
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
 from pagedllm.server.tool_parsers import get_tool_parser
@@ -540,8 +542,10 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
+    app.state.responses = ResponsesServing()
     app.include_router(router)
     app.include_router(utility_router)
+    app.include_router(responses_router)
     try:
         from pagedllm.server.dashboard import router as dashboard_router
     except ModuleNotFoundError as e:  # the dashboard is optional; anything else wrong in it should surface
