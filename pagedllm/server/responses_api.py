@@ -133,8 +133,9 @@ def chat_messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
         elif item.type == "function_call":
             if item.name is None or item.arguments is None or item.call_id is None:
                 raise ValueError("input: a function_call item needs call_id, name and arguments")
-            out.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}]})
+            call = {"name": item.name, "arguments": item.arguments}
+            out.append({"role": "assistant", "content": None,
+                        "tool_calls": [{"id": item.call_id, "type": "function", "function": call}]})
         else:
             if item.call_id is None or item.output is None:
                 raise ValueError("input: a function_call_output item needs call_id and output")

@@ -84,7 +84,8 @@ def test_subscriber_rebuilds_the_cached_set_exactly(tmp_path):
     deadline = time.monotonic() + 30
     for i in range(12):  # shared prefixes (hits), then prompts that evict them from the 12-block pool
         prompt = prefix + [i] * (BS + 3) if i < 6 else list(range(200 + 60 * i, 200 + 60 * i + 3 * BS))
-        core.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(ignore_eos=True, max_tokens=BS, n=1 + i % 2)))
+        params = SamplingParams(ignore_eos=True, max_tokens=BS, n=1 + i % 2)
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
         while core.has_unfinished():
             core.step()
         live += sub.live()

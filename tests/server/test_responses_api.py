@@ -18,16 +18,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.engine.model_name
-
-
 def test_create_matches_chat_and_stream_matches_create(client, model):
     r = client.responses.create(model=model, input="Name three colors.", instructions="Answer briefly.",
                                 temperature=0, max_output_tokens=8)

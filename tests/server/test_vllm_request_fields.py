@@ -19,16 +19,6 @@ ASK = [{"role": "user", "content": "Name three colors."}]
 GREEDY = {"temperature": 0, "max_tokens": 4}
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.engine.model_name
-
-
 def post(srv, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{srv.url}{path}", json=body, headers={"Authorization": f"Bearer {srv.api_key}"}, timeout=120)
 
