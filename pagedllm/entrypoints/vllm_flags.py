@@ -129,8 +129,10 @@ def apply_vllm_serve_flags(args: argparse.Namespace) -> None:
     if backend not in ("auto", "xgrammar"):
         raise ValueError(f"--structured-outputs-config backend {backend!r}: structured outputs use xgrammar")
     _check_generation_config(args.generation_config, args.model)
-    if args.kv_events_config is not None:
-        KVEventsConfig.from_json(args.kv_events_config)
+    if args.kv_events_config is not None and KVEventsConfig.from_json(args.kv_events_config).publishes and \
+            args.data_parallel_size > 1:
+        raise ValueError("--kv-events-config with --data-parallel-size > 1: one event endpoint per replica is not "
+                         "supported yet")
     if args.disable_log_stats:
         args.stats_interval = 0
     args.uvicorn_log_level = args.uvicorn_log_level or args.log_level

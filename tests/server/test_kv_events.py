@@ -121,3 +121,25 @@ def test_bad_config_names_the_problem(text, why):
 def test_no_publisher_unless_enabled():
     core, _ = make_core(kv_events_config=json.dumps({"publisher": "zmq"}))  # enable_kv_cache_events false
     assert core.kv_events is None and core.kv.prefix_cache.on_event is None
+
+
+@pytest.mark.slow
+def test_served_engine_publishes_from_its_core_process(tmp_path):
+    """Through the real server (the core in its own process): a request's blocks arrive as BlockStored events."""
+    import httpx
+    from tests.server.conftest import live_server
+
+    replay = f"ipc://{tmp_path}/replay"
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{tmp_path}/kv",
+           "replay_endpoint": replay}
+    with live_server({"kv_events_config": json.dumps(cfg)}) as srv:
+        prompt = "A prompt long enough to fill a few KV blocks of sixteen tokens each, " * 3
+        r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {srv.api_key}"}, timeout=120,
+                       json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200
+        ctx = zmq.Context()
+        sub = Subscriber(ctx, f"ipc://{tmp_path}/kv", replay)
+        stored = rebuild(sub.replay_from(0))
+        ctx.destroy(linger=0)
+    n_prompt = len(srv.engine.tokenizer.encode(prompt))
+    assert len(stored) == (n_prompt + 2 - 1) // BS  # every full block of prompt and output, hashed once

@@ -74,6 +74,9 @@ def test_logging_flags_work_after_serve():
     ("vllm serve m --hf-overrides {}", "overriding the model's config"),
     ("vllm serve m --structured-outputs-config '{\"backend\": \"guidance\"}'", "xgrammar"),
     ("vllm serve m --disable-fastapi-docs --enable-docs", "conflicts"),
+    ("vllm serve m --data-parallel-size 2 --kv-events-config "
+     "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}'", "one event endpoint per replica"),
+    ("vllm serve m --kv-events-config '{\"publisher\": \"kafka\"}'", "publisher must be"),
 ])
 def test_flags_we_cannot_honour_are_refused_saying_why(line, why):
     with pytest.raises(ValueError, match=why.replace("[", r"\[").replace("]", r"\]")):
