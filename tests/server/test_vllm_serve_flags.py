@@ -98,3 +98,22 @@ def test_failed_core_start_exits_cleanly():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "failed: True", r.stderr
     assert "atexit" not in r.stderr and "AttributeError" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_allowed_origins_turn_on_cors_and_return_tokens_as_ids_is_the_default():
+    import httpx
+    from tests.server.conftest import live_server
+
+    args = parse("vllm serve m --allowed-origins '[\"http://app.example\"]' --return-tokens-as-token-ids")
+    with live_server(allowed_origins=args.allowed_origins,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids) as srv:
+        pre = httpx.options(f"{srv.url}/v1/completions", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+        assert pre.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.options(f"{srv.url}/v1/completions", headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+        r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {srv.api_key}"}, timeout=120,
+                       json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1}).json()
+        assert all(t.startswith("token_id:") for t in r["choices"][0]["logprobs"]["tokens"])
