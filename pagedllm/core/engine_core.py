@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config.args import EngineArgs
 from pagedllm.core.beam_search import BeamSearch
+from pagedllm.kv.kv_events import make_publisher
 from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest, SeqDelta
 from pagedllm.protocol.limits import RequestLimits
 from pagedllm.core.scheduler import Schedule, Scheduler, SchedulerConfig
@@ -54,6 +55,9 @@ class EngineCore:
         self.eos_token_ids = list(spec.eos_token_ids)
         self.max_model_len = spec.max_model_len
         self.kv = KVCacheManager(spec.num_blocks, spec.block_size, args.enable_prefix_caching, spec.num_host_blocks)
+        self.kv_events = make_publisher(args.kv_events_config, spec.block_size)  # vLLM's KV events, or None
+        if self.kv_events is not None:
+            self.kv.prefix_cache.on_event = self.kv_events.record
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
@@ -75,7 +79,8 @@ class EngineCore:
         if r.request_id in self.requests:
             raise ValueError(f"request id {r.request_id!r} is already in use")
         self.limits.check(r.prompt_token_ids, r.params)
-        req = Request(r.request_id, None, list(r.prompt_token_ids), r.params, cache_salt=r.cache_salt)
+        req = Request(r.request_id, None, list(r.prompt_token_ids), r.params, cache_salt=r.cache_salt,
+                      priority=r.priority)
         if r.arrival_time is not None:
             req.arrival_time = req.metrics.arrival_time = r.arrival_time
         seq = Sequence(req, 0, list(r.prompt_token_ids))
@@ -350,6 +355,8 @@ class EngineCore:
                     for i, (toks, lp) in enumerate(hypotheses)]
 
     def _take_outputs(self) -> list[EngineCoreOutput]:
+        if self.kv_events is not None:  # one event batch per step
+            self.kv_events.flush()
         outs = []
         for req, o in self._outputs.values():
             o.num_cached_tokens = req.metrics.num_cached_tokens
@@ -424,6 +431,8 @@ class EngineCore:
         return self.spec.model_name
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.executor.shutdown()
 
 

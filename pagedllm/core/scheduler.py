@@ -30,15 +30,15 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap"
-    policy: str = "fcfs"  # or "lpm"
+    policy: str = "fcfs"  # or "lpm", or "priority" (lowest Request.priority first, then arrival: vLLM's)
     lpm_lambda: float = 10.0  # tokens of matched prefix worth one second of waiting
     batching: str = "continuous"  # or "static": admit a new batch only when the last has finished
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "lpm"):
-            raise ValueError(f"policy must be 'fcfs' or 'lpm', got {self.policy!r}")
+        if self.policy not in ("fcfs", "lpm", "priority"):
+            raise ValueError(f"policy must be 'fcfs', 'lpm' or 'priority', got {self.policy!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -231,6 +231,10 @@ class Scheduler:
                 return
 
     def _next_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            best = min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+            self.waiting.remove(best)
+            return best
         if self.config.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE and self.config.enable_prefix_caching:
             now = time.monotonic()
 

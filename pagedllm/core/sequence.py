@@ -92,6 +92,7 @@ class Request:
     params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower first, under the "priority" policy
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
     beam_finished: list[tuple[float, Sequence]] = field(default_factory=list)  # beam search hypotheses

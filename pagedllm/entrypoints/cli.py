@@ -9,6 +9,11 @@ import signal
 import sys
 
 from pagedllm.config.args import EngineArgs
+from pagedllm.entrypoints.vllm_flags import (
+    add_vllm_serve_flags, apply_vllm_serve_flags, log_vllm_serve_notes, resolve_cli_dtypes,
+)
+
+TOOL_CALL_PARSERS = ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]  # server/tool_parsers.py
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -130,9 +135,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      allow_unknown_fields=args.allow_unknown_fields, tool_call_parser=args.tool_call_parser,
                      chat_template=chat_template, restart_core=not args.no_restart_core,
                      api_keys=load_api_keys(args.api_keys_file) if args.api_keys_file else None,
-                     on_core_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))  # uvicorn stops gracefully
+                     on_core_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),  # uvicorn stops gracefully
+                     allowed_origins=args.allowed_origins,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids, max_logprobs=args.max_logprobs,
+                     log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, root_path=args.root_path,
+                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     finally:
         engine.shutdown()
     return 1 if app.state.supervisor.gave_up else 0
@@ -193,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template (a file or the template text) replacing the model's, e.g. "
                         "pagedllm/server/chat_templates/hermes_tools.jinja to offer tools")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                   help="parse tool calls out of outputs (needed for tool_choice 'auto'); hermes: <tool_call> JSON")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="parse tool calls out of outputs (needed for tool_choice 'auto'): hermes (<tool_call> JSON), "
+                        "llama3_json, mistral ([TOOL_CALLS]), pythonic ([f(a=1)]), qwen3_coder (<function=...> XML); "
+                        "templates that render tools for each are in pagedllm/server/chat_templates/")
     p.add_argument("--allow-unknown-fields", action="store_true",
                    help="log a warning for unknown request fields instead of answering 400")
     p.add_argument("--no-restart-core", action="store_true",
@@ -203,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats-interval", type=float, default=10.0,
                    help="seconds between stats lines in the log (0: none)")
     EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    add_vllm_serve_flags(p)
     p.set_defaults(func=cmd_serve)
 
     # no option prefix: every word after "bench", --help included, belongs to the benchmark CLI
@@ -228,12 +240,24 @@ def _is_worker_rank(args: argparse.Namespace) -> bool:
             and os.environ.get("RANK", "0") != "0")
 
 
+def prepare(args: argparse.Namespace) -> argparse.Namespace:
+    """The parsed command line made whole: the positional model, vLLM's dtype names and serve flags; ValueError
+    (saying why) for settings that cannot run, before anything starts."""
+    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")  # also after serve
+    _model_tag(args)
+    if hasattr(args, "dtype"):
+        resolve_cli_dtypes(args)
+    if args.command == "serve":
+        apply_vllm_serve_flags(args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        _model_tag(args)
+        prepare(args)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        log_vllm_serve_notes(args)
         if _is_worker_rank(args):
             from pagedllm.executor.external_launcher import serve_rank
 
@@ -242,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except ValueError as e:  # bad settings or prompt, as the engine words it
+    except ValueError as e:  # bad settings or prompt, as the engine words it (logging may not be set up yet)
         print(f"pagedllm: error: {e}", file=sys.stderr)
         return 2
 

@@ -111,7 +111,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.client.call(fn))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step it makes progress; the last is finished.
 
         Raises ValueError (before anything is scheduled) for a bad prompt or settings.
@@ -128,7 +128,8 @@ class AsyncEngine:
         self._streams[request_id] = (loop, q)
         finished = False
         try:
-            await asyncio.wrap_future(self.client.add(EngineCoreRequest(request_id, ids, params, cache_salt, now)))
+            await asyncio.wrap_future(self.client.add(EngineCoreRequest(request_id, ids, params, cache_salt, now,
+                                                                       priority)))
             while True:
                 item = await q.get()
                 if isinstance(item, EngineCoreDied):

@@ -216,8 +216,10 @@ class ProcessCoreClient(CoreClient):
         atexit.register(self.shutdown)
         self._send_lock = threading.Lock()
         kind, payload = self._recv_first()
-        if kind != "ready":
+        if kind != "ready":  # nothing to shut down at exit: no reader was started
+            atexit.unregister(self.shutdown)
             self._proc.join(timeout=5)
+            self._conn.close()
             raise RuntimeError(f"the engine core process failed to start:\n{payload}")
         self.spec = payload
         self._reader = threading.Thread(target=self._read, args=(on_outputs,), name="pagedllm-core-reader",

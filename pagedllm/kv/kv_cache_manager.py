@@ -130,7 +130,8 @@ class KVCacheManager:
             parent = st.hashes[-1] if k else None
             st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs, extra_keys_for(cache_salt))
         for i in range(st.num_registered, n_full):
-            self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs])
+            self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs],
+                                     st.hashes[i - 1] if i else None)
         st.num_registered = n_full
 
     def import_blocks(self, hashes: Sequence[int], token_ids: Sequence[int],
@@ -164,7 +165,7 @@ class KVCacheManager:
                 break
             b = pool.allocate()
             held.append(b)
-            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs]):
+            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs], hashes[i - 1] if i else None):
                 writes.append((i, b))
         for b in reversed(held):  # the tail is evicted first, as in free()
             pool.free(b)

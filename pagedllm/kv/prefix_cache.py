@@ -15,7 +15,7 @@ import hashlib
 import os
 import secrets
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import Block, BlockPool
@@ -93,6 +93,8 @@ class PrefixCache:
         self.pool = pool
         self._index: dict[int, int] = {}
         pool.on_evict = self._forget
+        # KV events (kv/kv_events.py): ("stored", hash, parent hash, token ids) or ("removed", hash)
+        self.on_event: Callable[..., None] | None = None
         self.queries = 0
         self.hits = 0
         self.query_tokens = 0
@@ -104,6 +106,8 @@ class PrefixCache:
     def _forget(self, b: Block) -> None:
         if b.block_hash is not None and self._index.get(b.block_hash) == b.block_id:
             del self._index[b.block_hash]
+            if self.on_event is not None:
+                self.on_event("removed", b.block_hash)
 
     def match(self, token_ids: Sequence[int], extra_keys: ExtraKeys = (), record: bool = True) -> PrefixMatch:
         """Longest cached prefix at block granularity, capped so at least one token is left to
@@ -132,14 +136,16 @@ class PrefixCache:
         self.hit_tokens += num
         return PrefixMatch(blocks, num, hashes)
 
-    def insert(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> bool:
-        """Register an in-use full block under ``block_hash``. False (nothing changes) when the
-        block already has a hash or another block already holds this content."""
+    def insert(self, block_id: int, block_hash: int, token_ids: Sequence[int], parent_hash: int | None = None) -> bool:
+        """Register an in-use full block under ``block_hash`` (``parent_hash``: the chain's previous block, for
+        KV events). False (nothing changes) when the block already has a hash or another block holds this content."""
         b = self.pool.blocks[block_id]
         if b.block_hash is not None or block_hash in self._index:
             return False
         self.pool.set_hash(block_id, block_hash, tuple(token_ids))
         self._index[block_hash] = block_id
+        if self.on_event is not None:
+            self.on_event("stored", block_hash, parent_hash, tuple(token_ids))
         return True
 
     def remove(self, block_id: int) -> None:

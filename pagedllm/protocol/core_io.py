@@ -17,6 +17,7 @@ class EngineCoreRequest:
     params: SamplingParams
     cache_salt: str | None = None
     arrival_time: float | None = None
+    priority: int = 0  # lower first, under the "priority" scheduling policy (vLLM's)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,10 +35,13 @@ from pagedllm.server.core_supervisor import (
     CoreDownMiddleware, CoreSupervisor, core_died_error, core_died_info, supervised_lifespan,
 )
 from pagedllm.server.input_bounds import InputBounds, prompt_chars
+from pagedllm.server.inert_fields import mark_ignored
 from pagedllm.server.guards import (
     APIKeyMiddleware, HostCheckMiddleware, SizeLimitMiddleware, bad_text_field, error_response,
 )
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.server.prompt_logprobs import vllm_prompt_logprobs
+from pagedllm.server.reasoning import get_reasoning_parser
 from pagedllm.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -45,10 +49,12 @@ from pagedllm.server.protocol import (
     PromptTokensDetails, SamplingRequest, TopLogprob, Usage,
 )
 from pagedllm.server.request_extras import check_unknown_fields
+from pagedllm.server.responses_api import ResponsesServing
+from pagedllm.server.responses_api import router as responses_router
 from pagedllm.server.routes_utility import router as utility_router
 from pagedllm.server.tenants import request_tenant, tenant_cache_salt
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
-from pagedllm.server.tool_calls import get_tool_parser
+from pagedllm.server.tool_parsers import get_tool_parser
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.admission import GrammarAdmission
 
@@ -62,7 +68,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
                  allow_unknown_fields: bool = False, tool_call_parser: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, return_tokens_as_token_ids: bool = False, max_logprobs: int = 20,
+                 log_requests: bool = False, reasoning_parser: str | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -72,6 +79,10 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.grammars = GrammarAdmission(self.tokenizer, engine.limits.vocab_size, list(engine.spec.eos_token_ids))
         self.bounds = InputBounds(self.tokenizer, engine.max_model_len)
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.max_logprobs = max_logprobs  # vLLM's --max-logprobs
+        self.log_requests = log_requests  # vLLM's --enable-log-requests
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
 
     # ------------------------------------------------------------------ admission
     @staticmethod
@@ -84,7 +95,7 @@ class OpenAIServing:
 
     def check_model(self, body: SamplingRequest) -> None:
         if body.model is not None and body.model != self.model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     async def admit(self, body: SamplingRequest, tokenize: Callable[[AsyncEngine], list[list[int]]],
@@ -98,6 +109,17 @@ class OpenAIServing:
             check_unknown_fields(body, self.allow_unknown_fields)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(": ", 1)[1].split(",")[0]) from e
+
+        if body.priority != 0 and self.engine.args.scheduling_policy != "priority":
+            raise APIError(400, f"priority {body.priority} needs the server started with --scheduling-policy "
+                           "priority", param="priority")
+        if body.prompt_logprobs is not None:
+            if body.stream:
+                raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+            if prompt_logprobs is not None and prompt_logprobs != body.prompt_logprobs:
+                raise APIError(400, f"prompt_logprobs ({body.prompt_logprobs}) must equal logprobs ({prompt_logprobs}) "
+                               "with echo", param="prompt_logprobs")
+            prompt_logprobs = body.prompt_logprobs
 
         def run(eng: AsyncEngine) -> tuple[list[list[int]], SamplingParams]:
             extras = body.extra_sampling_kwargs(eng.limits.vocab_size)
@@ -119,6 +141,10 @@ class OpenAIServing:
                 limit = max(1, min(eng.max_model_len - longest, per_sample))
             params = dataclasses.replace(body.sampling_params(limit, logprobs), prompt_logprobs=prompt_logprobs,
                                          **extras)
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(params, name) or 0) > self.max_logprobs:
+                    raise ValueError(f"{name} {getattr(params, name)} is over this server's --max-logprobs "
+                                     f"({self.max_logprobs})")
             for prompt_ids in ids:
                 eng.validate(prompt_ids, params)
             if max_tokens is not None and max(map(len, ids)) + max_tokens > eng.max_model_len:
@@ -135,8 +161,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                  cache_salt: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  body: SamplingRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run each prompt as its own engine request; yield (prompt index, cumulative output) as they come.
+        ``body`` gives the cache salt (nested in the caller's tenant's) and priority; a client's own request_id may repeat, so the engine's ids
+        then get a unique suffix.
 
         Leaving early (the client went away, or the consumer was cancelled) cancels the pumps, and
         each pump's ``AsyncEngine.generate`` aborts its request, freeing the blocks.
@@ -146,7 +174,7 @@ class OpenAIServing:
         async def pump(i: int, ids: list[int]) -> None:
             last = None
             try:
-                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", cache_salt):
+                async for out in self.engine.generate(ids, params, f"{engine_id}-{i}", salt, body.priority):
                     now = time.monotonic()
                     if last is not None:
                         self.metrics.observe_inter_token(now - last)
@@ -157,6 +185,10 @@ class OpenAIServing:
             except Exception as e:  # noqa: BLE001 - re-raised by the consumer
                 q.put_nowait((i, e))
 
+        if self.log_requests:
+            log.info("request %s: %s prompt tokens, %s", request_id, [len(p) for p in prompts], params)
+        engine_id = request_id if body.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
+        salt = tenant_cache_salt(request_tenant(request), body.cache_salt)  # tenants never share a prefix
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         unfinished = len(tasks)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
@@ -195,21 +227,31 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, d: Delta, offset: int) -> CompletionLogprobs:
+    def logprob_token_namer(self, body: SamplingRequest) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or vLLM's "token_id:N" under return_tokens_as_token_ids (the
+        request's field, else the server's flag)."""
+        as_ids = body.return_tokens_as_token_ids
+        if as_ids if as_ids is not None else self.return_tokens_as_token_ids:
+            return lambda tid: f"token_id:{tid}"
+        return self.token_text
+
+    @staticmethod
+    def completion_logprobs(d: Delta, offset: int, name: Callable[[int], str]) -> CompletionLogprobs:
         """OpenAI completions shape; ``offset`` is where the first new token starts in the choice's text."""
         lp = CompletionLogprobs()
         for tid, entry in zip(d.token_ids, d.logprobs or []):
-            tok = self.token_text(tid)
+            tok = name(tid)
             lp.tokens.append(tok)
             lp.token_logprobs.append(entry[tid])
-            lp.top_logprobs.append({self.token_text(t): v for t, v in entry.items()})
+            lp.top_logprobs.append({name(t): v for t, v in entry.items()})
             lp.text_offset.append(offset)
             offset += len(tok)
         return lp
 
-    def chat_logprobs(self, d: Delta, top_n: int) -> ChatLogprobs:
+    @staticmethod
+    def chat_logprobs(d: Delta, top_n: int, name: Callable[[int], str]) -> ChatLogprobs:
         def top(tid: int, logprob: float) -> dict:
-            tok = self.token_text(tid)
+            tok = name(tid)
             return {"token": tok, "logprob": logprob, "bytes": list(tok.encode())}
 
         return ChatLogprobs(content=[
@@ -239,16 +281,20 @@ class OpenAIServing:
         # echo + logprobs scores the prompt too (lm-eval's loglikelihood); max_tokens 0 generates one token
         # and drops it
         scores_prompt = body.echo and body.logprobs is not None
-        ids, params = await self.admit(body, lambda eng: [eng.tokenize(p)[1] for p in prompts],
-                                       max(body.max_tokens, 1), body.logprobs,
+
+        def tokenize(eng: AsyncEngine) -> list[list[int]]:
+            return [eng.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) and not
+                    body.add_special_tokens else eng.tokenize(p)[1] for p in prompts]
+
+        ids, params = await self.admit(body, tokenize, max(body.max_tokens, 1), body.logprobs,
                                        prompt_logprobs=body.logprobs if scores_prompt else None)
         if body.echo:
             echo = [p if isinstance(p, str) and not scores_prompt else "".join(map(self.token_text, ids[i]))
                     for i, p in enumerate(prompts)]
         else:
             echo = None
-        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), params.n
-        salt = tenant_cache_salt(request_tenant(request), body.cache_salt)
+        rid, created, n = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time()), params.n
+        name = self.logprob_token_namer(body)
         offsets: dict[int, int] = {}  # per choice: characters emitted so far (for text_offset)
 
         def choice(i: int, d: Delta, index: int, out: RequestOutput) -> CompletionChoice:
@@ -256,30 +302,29 @@ class OpenAIServing:
                 d = Delta("", [], [], d.finish_reason and "length", None)
             prefix = echo[i] if echo is not None and index not in offsets else ""
             start = offsets.get(index, len(prefix))
-            lp = self.completion_logprobs(d, start) if params.logprobs is not None else None
+            lp = self.completion_logprobs(d, start, name) if params.logprobs is not None else None
             offsets[index] = start + sum(map(len, lp.tokens)) if lp else start
             if prefix and lp is not None:  # the prompt's logprobs come first, as the echoed text does
                 head = prompt_completion_logprobs(ids[i], self.prompt_logprobs(out), self.token_text)
                 lp = CompletionLogprobs(**{k: getattr(head, k) + getattr(lp, k)
                                            for k in CompletionLogprobs.model_fields})
             return CompletionChoice(index=index, text=prefix + d.text, logprobs=lp, finish_reason=d.finish_reason,
-                                    stop_reason=d.stop_reason)
+                                    stop_reason=d.stop_reason, prompt_logprobs=self.vllm_prompt_logprobs(body, out))
 
         def response(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         if not body.stream:
-            finals = {i: out async for i, out in self.run(request, ids, params, rid, salt) if out.finished}
+            finals = {i: out async for i, out in self.run(request, ids, params, rid, body) if out.finished}
             choices = [choice(i, Delta.whole(o), i * n + o.index, finals[i]) for i in sorted(finals)
                        for o in finals[i].outputs]
             return JSONResponse(response(choices, self.usage(ids, finals, body.max_tokens > 0)).model_dump())
 
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
-            finals: dict[int, RequestOutput] = {}
-            async for i, out in self.run(request, ids, params, rid, salt):
-                if out.finished:
-                    finals[i] = out
+            latest: dict[int, RequestOutput] = {}
+            async for i, out in self.run(request, ids, params, rid, body):
+                latest[i] = out
                 choices = []
                 for o in out.outputs:
                     index = i * n + o.index
@@ -287,11 +332,18 @@ class OpenAIServing:
                     if d is not None and (d.text or d.token_ids or d.finish_reason):
                         choices.append(choice(i, d, index, out))
                 if choices:
-                    yield response(choices)
+                    yield response(choices, self.usage(ids, latest, body.max_tokens > 0)
+                                   if body.continuous_usage else None)
             if body.include_usage:
-                yield response([], self.usage(ids, finals, body.max_tokens > 0))
+                yield response([], self.usage(ids, latest, body.max_tokens > 0))
 
         return self.sse(chunks())
+
+    def vllm_prompt_logprobs(self, body: SamplingRequest, out: RequestOutput) -> list | None:
+        """vLLM's ``prompt_logprobs`` field when the request asked for it, else None (left out)."""
+        if body.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.prompt_logprobs(out), body.prompt_logprobs, self.logprob_token_namer(body))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_text(body)
@@ -300,59 +352,81 @@ class OpenAIServing:
         try:
             plan = ToolPlan.from_request(body, self.tool_parser)
             messages = template_messages(body.messages)
+            template_kwargs = body.template_kwargs()
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
         self.bounds.check(sum(len(m["content"]) for m in messages), "messages")
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         ids, params = await self.admit(
-            body, lambda eng: [render_chat(eng.tokenizer, messages, plan.tools, self.chat_template)], max_tokens,
-            top_n if body.logprobs else None, structured=plan.structured)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        salt = tenant_cache_salt(request_tenant(request), body.cache_salt)
+            body, lambda eng: [render_chat(eng.tokenizer, messages,
+                                           plan.template_tools(self.chat_template or eng.tokenizer.chat_template),
+                                           self.chat_template, template_kwargs, body.add_special_tokens)],
+            max_tokens, top_n if body.logprobs else None, structured=plan.structured)
+        rid, created = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
+        name = self.logprob_token_namer(body)
 
         def logprobs(d: Delta) -> ChatLogprobs | None:
-            return self.chat_logprobs(d, top_n) if body.logprobs else None
+            return self.chat_logprobs(d, top_n, name) if body.logprobs else None
+
+        # a constrained output (structured outputs, a forced tool call) has no reasoning part to split off
+        reasoner = self.reasoning_parser if params.structured_outputs is None else None
 
         if not body.stream:
             final = None
-            async for _, out in self.run(request, ids, params, rid, salt):
+            async for _, out in self.run(request, ids, params, rid, body):
                 final = out
             choices = []
             for o in final.outputs:
-                content, calls = plan.parse(o.text) if o.finish_reason != "length" else (o.text, [])
-                choices.append(ChatChoice(index=o.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                reasoning, text = reasoner.split(o.text) if reasoner else ("", o.text)
+                content, calls = plan.parse(text) if o.finish_reason != "length" else (text, [])
+                message = ChatResponseMessage(content=content or None if reasoner else content, tool_calls=calls,
+                                              reasoning_content=reasoning or None if body.include_reasoning else None)
+                choices.append(ChatChoice(index=o.index, message=message,
                                           logprobs=logprobs(Delta.whole(o)), stop_reason=o.stop_reason,
                                           finish_reason="tool_calls" if calls else o.finish_reason))
             resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                          usage=self.usage(ids, {0: final}))
+                                          usage=self.usage(ids, {0: final}),
+                                          prompt_logprobs=self.vllm_prompt_logprobs(body, final))
             return JSONResponse(resp.model_dump())
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         async def chunks() -> AsyncIterator[BaseModel]:
-            yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
-                         for j in range(params.n)])
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
             streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
-            final = None
-            async for _, out in self.run(request, ids, params, rid, salt):
+            reasoners = [reasoner.stream() for _ in range(params.n)] if reasoner else None
+            final, role_sent = None, False
+            async for _, out in self.run(request, ids, params, rid, body):
                 final = out
+                usage = self.usage(ids, {0: out}) if body.continuous_usage else None
+                if not role_sent and (out.finished or any(o.token_ids for o in out.outputs)):
+                    # the role goes out with the first token (as vLLM's), so a client's TTFT is true
+                    role_sent = True
+                    yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                                 for j in range(params.n)], usage)
                 choices = []
                 for o in out.outputs:
                     d = trackers[o.index].advance(o)
                     if d is None or not (d.text or d.token_ids or d.finish_reason):
                         continue
-                    delta, reason = DeltaMessage(content=d.text), d.finish_reason
-                    if streamers is not None:  # the text goes through the tool-call parser
-                        text, calls = streamers[o.index].advance(o.text, d.finish_reason is not None)
-                        delta = DeltaMessage(content=text or None, tool_calls=calls or None)
+                    delta, reason, text = DeltaMessage(content=d.text), d.finish_reason, o.text
+                    if reasoners is not None:  # reasoning and content split from the text released so far
+                        sent = o.text[:trackers[o.index].text_sent]
+                        new_r, new_c = reasoners[o.index].advance(sent, reason is not None)
+                        delta = DeltaMessage(content=new_c or None,
+                                             reasoning_content=new_r or None if body.include_reasoning else None)
+                        text = reasoners[o.index].content(sent, reason is not None)
+                    if streamers is not None:  # the (content) text goes through the tool-call parser
+                        text, calls = streamers[o.index].advance(text, d.finish_reason is not None)
+                        delta = DeltaMessage(content=text or None, reasoning_content=delta.reasoning_content,
+                                             tool_calls=calls or None)
                         reason = "tool_calls" if reason and streamers[o.index].calls_sent else reason
                     choices.append(ChatChunkChoice(index=o.index, delta=delta, logprobs=logprobs(d),
                                                    finish_reason=reason))
                 if choices:
-                    yield chunk(choices)
+                    yield chunk(choices, usage)
             if body.include_usage:
                 yield chunk([], self.usage(ids, {0: final}))
 
@@ -393,12 +467,12 @@ def _serving(request: Request) -> OpenAIServing:
 
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    return await _serving(request).completions(body, request)
+    return mark_ignored(await _serving(request).completions(body, request), body)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _serving(request).chat(body, request)
+    return mark_ignored(await _serving(request).chat(body, request), body)
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -461,14 +535,16 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
                stats_interval_s: float | None = DEFAULT_INTERVAL_S, metrics_token: str | None = None,
                metrics_open: bool = False, enable_docs: bool = False, allowed_hosts: list[str] | None = None,
                restart_core: bool = True, on_core_lost: Callable[[], None] | None = None,
-               api_keys: dict[str, str] | None = None, **serving_options) -> FastAPI:
+               api_keys: dict[str, str] | None = None, allowed_origins: list[str] | None = None,
+               **serving_options) -> FastAPI:
     """The server app over ``engine``; the model is served under ``served_model_name``.
 
     ``api_key`` guards every route that shows data (``guards.APIKeyMiddleware``; /metrics also takes
     ``metrics_token`` or is left open by ``metrics_open``), as do ``api_keys`` ({key: tenant}: each
     tenant's prefix cache salted apart, ``tenants``); ``enable_docs`` serves /docs, /redoc and
     /openapi.json (off by default); ``allowed_hosts`` (None: no check) are the Host names accepted;
-    ``serving_options`` (allow_unknown_fields, tool_call_parser, chat_template) go to ``OpenAIServing``;
+    ``allowed_origins`` (vLLM's --allowed-origins) turns on CORS for them; ``serving_options``
+    (allow_unknown_fields, tool_call_parser, chat_template...) go to ``OpenAIServing``;
     a stats line is logged every ``stats_interval_s`` (None: never). A dead engine core is restarted
     (``restart_core``) or, that off or failing, ``on_core_lost`` runs (``core_supervisor``)."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -486,8 +562,10 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
+    app.state.responses = ResponsesServing()
     app.include_router(router)
     app.include_router(utility_router)
+    app.include_router(responses_router)
     try:
         from pagedllm.server.dashboard import router as dashboard_router
     except ModuleNotFoundError as e:  # the dashboard is optional; anything else wrong in it should surface
@@ -500,6 +578,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
                            tenant_keys=api_keys)
     app.add_middleware(CoreDownMiddleware, engine=engine)
     app.add_middleware(SizeLimitMiddleware)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)  # added last: runs first
     return app

@@ -3,14 +3,18 @@ how the output becomes ``tool_calls`` (whole, or as streamed deltas)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import dataclass
 
 from pagedllm.server.tool_calls import (
-    DeltaFunctionCall, DeltaToolCall, HermesToolParser, ToolCall, ToolChoice, forced_tool_calls,
-    tool_choice_grammar,
+    DeltaFunctionCall, DeltaToolCall, ToolCall, ToolChoice, forced_tool_calls, tool_choice_grammar,
 )
+from pagedllm.server.tool_parsers import ToolParser
 from pagedllm.structured import StructuredOutputsParams
+
+log = logging.getLogger("pagedllm.server")
 
 
 @dataclass
@@ -18,10 +22,10 @@ class ToolPlan:
     tools: list[dict] | None  # what the chat template renders (None: no tools offered)
     choice: ToolChoice
     structured: StructuredOutputsParams | None  # the grammar a named/required choice imposes
-    parser: HermesToolParser | None  # parses "auto" outputs
+    parser: ToolParser | None  # parses "auto" outputs
 
     @classmethod
-    def from_request(cls, body, parser: HermesToolParser | None) -> "ToolPlan":
+    def from_request(cls, body, parser: ToolParser | None) -> "ToolPlan":
         """ValueError naming the field for an impossible combination."""
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
         if not body.tools:
@@ -38,6 +42,15 @@ class ToolPlan:
     @property
     def forced(self) -> bool:
         return self.structured is not None
+
+    def template_tools(self, template: str | None) -> list[dict] | None:
+        """The tools the chat template renders. A forced call (named or required) needs no template support,
+        as in vLLM: its grammar holds the function's arguments schema; a template that cannot render tools
+        then renders the conversation alone."""
+        if self.forced and not renders(template, "tools"):
+            _note_unrendered_tools()
+            return None
+        return self.tools
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output; text a forced call's grammar did not shape (cut
@@ -104,18 +117,32 @@ def _loads(arguments: str):
         raise ValueError(f"messages: tool_calls arguments must be JSON text: {e}") from e
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, chat_template: str | None) -> list[int]:
+@functools.cache
+def _note_unrendered_tools() -> None:
+    log.info("tool_choice forces a call on a chat template that does not render tools: the model sees the "
+             "conversation only, the arguments schema holds its output (as vLLM); logged once")
+
+
+def renders(template: str | None, name: str) -> bool:
+    """Whether a Jinja chat template reads the variable ``name`` at all."""
+    return name in (template or "")
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, chat_template: str | None,
+                template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
     """Prompt ids for the conversation under ``chat_template`` (default: the model's), tools included.
 
-    A template that never reads ``tools`` would drop them silently, so that is an error.
+    ``template_kwargs`` (vLLM's add_generation_prompt, continue_final_message, documents,
+    chat_template_kwargs) go to the template; the text is then tokenized with ``add_special_tokens``, as
+    vLLM does. A template that never reads ``tools`` or ``documents`` would drop them silently, so that is
+    an error.
     """
     template = chat_template or tokenizer.chat_template
-    if tools and "tools" not in (template or ""):
-        raise ValueError("tools: this model's chat template does not render tools; start the server with "
-                         "--chat-template (e.g. pagedllm/server/chat_templates/hermes_tools.jinja)")
-    ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=True,
-                                        tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
+    kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+    for name, given in (("tools", tools), ("documents", kwargs.get("documents"))):
+        if given and not renders(template, name):
+            hint = " (e.g. pagedllm/server/chat_templates/hermes_tools.jinja)" if name == "tools" else ""
+            raise ValueError(f"{name}: this model's chat template does not render {name}; start the server with "
+                             f"a --chat-template that does{hint}")
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False, **kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

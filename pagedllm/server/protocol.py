@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedllm.protocol.outputs import CompletionOutput
 from pagedllm.protocol.sampling_params import SamplingParams
+from pagedllm.server.inert_fields import InertFields
+from pagedllm.server.prompt_logprobs import PromptLogprob
 from pagedllm.server.request_extras import SamplingExtras
 from pagedllm.server.tool_calls import DeltaToolCall, Tool, ToolCall, ToolChoice
 
@@ -24,10 +26,11 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (guidellm always sends it)
 
 
-class SamplingRequest(SamplingExtras, _Request):
-    """Fields both endpoints share: OpenAI's plus vLLM's sampling extras."""
+class SamplingRequest(SamplingExtras, InertFields, _Request):
+    """Fields both endpoints share: OpenAI's plus vLLM's sampling extras and request fields."""
 
     model: str | None = None
     n: int = 1
@@ -47,7 +50,11 @@ class SamplingRequest(SamplingExtras, _Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
-    user: str | None = None
+    # vLLM's request fields
+    priority: int = 0  # lower runs first, with --scheduling-policy priority
+    request_id: str | None = None  # the response id's suffix (default: random)
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (None: the server's flag)
+    prompt_logprobs: int | None = None  # top-N logprobs of every prompt token, in the response's prompt_logprobs
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (naming the field) for out-of-range settings."""
@@ -63,12 +70,18 @@ class SamplingRequest(SamplingExtras, _Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM sends usage in every chunk only when both stream options are set."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS/EOS around a text prompt
 
 
 class TextPart(_Request):
@@ -98,6 +111,33 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
+    # vLLM's chat template controls
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    add_special_tokens: bool = False  # the template writes the special tokens itself
+    documents: list[dict[str, str]] | None = None  # RAG documents, for templates that render them
+    include_reasoning: bool = True  # False: drop reasoning_content (with --reasoning-parser)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``apply_chat_template``; ValueError naming the field for a bad combination."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false: a reply either continues "
+                             "the last message or starts a new one")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+        extra = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(extra) & _RENDER_ARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
+        return {**extra, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "documents": self.documents}
+
+
+# apply_chat_template's own arguments, which chat_template_kwargs must not override
+_RENDER_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
 # ----------------------------------------------------------------------------- responses
@@ -142,6 +182,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -172,6 +213,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -190,11 +232,13 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, when asked for
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -1,7 +1,6 @@
-"""Tool calling: the wire shapes, the grammar that enforces a named or required ``tool_choice``,
-and the parsers (``--tool-call-parser``) that turn the model's text into ``tool_calls``.
+"""Tool calling: the wire shapes and the grammar that enforces a named or required ``tool_choice``
+(the parsers of free text, ``--tool-call-parser``, are in tool_parsers.py).
 
-The Hermes/Qwen format puts each call in ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 A named or required choice is enforced with a JSON-schema grammar instead, so the output is plain
 JSON (the named function's arguments, or a list of ``{"name", "parameters"}``), as vLLM does.
 """
@@ -9,7 +8,6 @@ JSON (the named function's arguments, or a list of ``{"name", "parameters"}``), 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any, Literal
 
@@ -87,79 +85,12 @@ def tool_choice_grammar(tools: list[Tool], choice: ToolChoice | None) -> Structu
 def forced_tool_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
     """The tool calls of an output generated under a named or required choice's grammar."""
     if isinstance(choice, NamedToolChoice):
-        return [ToolCall(function=FunctionCall(name=choice.function.name, arguments=_args(json.loads(text))))]
-    return [ToolCall(function=FunctionCall(name=c["name"], arguments=_args(c["parameters"])))
+        args = arguments_text(json.loads(text))
+        return [ToolCall(function=FunctionCall(name=choice.function.name, arguments=args))]
+    return [ToolCall(function=FunctionCall(name=c["name"], arguments=arguments_text(c["parameters"])))
             for c in json.loads(text)]
 
 
-def _args(value: Any) -> str:
+def arguments_text(value: Any) -> str:
+    """A call's arguments as the API sends them: JSON text."""
     return json.dumps(value, ensure_ascii=False)
-
-
-class HermesToolParser:
-    """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks (Hermes 2 Pro, Qwen 2.5/3)."""
-
-    START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content before the first call, the calls); a block that is not a JSON call stays content."""
-        calls = []
-        for body in self._BLOCK.findall(text):
-            call = self._call(body)
-            if call is None:
-                return text, []
-            calls.append(call)
-        if not calls:
-            return text, []
-        content = text[: text.index(self.START)].strip()
-        return content or None, calls
-
-    def _call(self, body: str) -> ToolCall | None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        return ToolCall(function=FunctionCall(name=obj["name"], arguments=_args(obj.get("arguments", {}))))
-
-    def stream(self) -> "ToolCallStreamer":
-        return ToolCallStreamer(self)
-
-
-class ToolCallStreamer:
-    """Cuts one choice's cumulative text into content deltas and whole tool-call deltas.
-
-    Content is sent up to the first ``<tool_call>`` (holding back a tail that could begin one);
-    each call is sent as one delta when its block closes.
-    """
-
-    def __init__(self, parser: HermesToolParser):
-        self.parser = parser
-        self.content_sent = 0
-        self.calls_sent = 0
-
-    def advance(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
-        start = text.find(self.parser.START)
-        end = len(text) if start < 0 else start
-        if start < 0 and not finished:  # keep back a suffix that may be the start of "<tool_call>"
-            end = len(text) - next((k for k in range(len(self.parser.START) - 1, 0, -1)
-                                    if text.endswith(self.parser.START[:k])), 0)
-        content = text[self.content_sent: end] if end > self.content_sent else ""
-        self.content_sent += len(content)
-        _, calls = self.parser.extract(text) if start >= 0 else (None, [])
-        deltas = [DeltaToolCall(index=i, id=c.id, type="function",
-                                function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
-                  for i, c in enumerate(calls) if i >= self.calls_sent]
-        self.calls_sent = max(self.calls_sent, len(calls))
-        return content, deltas
-
-
-TOOL_PARSERS = {"hermes": HermesToolParser}
-
-
-def get_tool_parser(name: str) -> HermesToolParser:
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]()

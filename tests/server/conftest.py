@@ -62,3 +62,16 @@ def live_server(engine_options: dict | None = None, **app_options):
 def server():
     with live_server() as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's server (a module may define its own)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return server.engine.model_name

@@ -4,6 +4,7 @@ itself handles, and the 400s for what cannot be served."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -161,10 +162,15 @@ def test_requests_that_cannot_be_served_are_400(tool_server, body, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
-def test_tools_need_a_template_that_renders_them(server):
-    """The default SmolLM2 template ignores tools; dropping them silently would be wrong."""
-    r = post(server, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert "--chat-template" in r.json()["error"]["message"]
+def test_forced_tool_choice_needs_no_flag_auto_needs_the_parser(server):
+    """A named or required tool_choice works on the model's own template with no flag (the arguments schema
+    holds the output, as in vLLM); "auto" must parse free text, so it needs --tool-call-parser."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        r = post(server, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "tool_choice": choice,
+                                                  "temperature": 0, "max_tokens": 40})
+        assert r.status_code == 200, r.text
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "get_weather" and isinstance(json.loads(call["arguments"])["city"], str)
     r = post(server, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER]})
     assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]

@@ -11,7 +11,8 @@ import pytest
 from pagedllm.server.chat_tools import ToolPlan
 from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.server.request_extras import check_unknown_fields
-from pagedllm.server.tool_calls import HermesToolParser, NamedToolChoice, Tool, forced_tool_calls
+from pagedllm.server.tool_calls import NamedToolChoice, Tool, forced_tool_calls
+from pagedllm.server.tool_parsers import HermesToolParser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -1,0 +1,61 @@
+"""guidellm, the benchmark vLLM recommends, runs to completion against a real server, and its TTFT agrees with
+the server's own /metrics histogram (the chat role chunk goes out with the first token, so the client's clock
+is true). guidellm always sends vLLM's ``stream_options.continuous_usage_stats``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tests.server.conftest import live_server
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 6
+
+
+def guidellm_command() -> list[str]:
+    exe = shutil.which("guidellm")
+    return [exe] if exe else [sys.executable, "-m", "guidellm"]
+
+
+def ttft(srv) -> tuple[float, float]:
+    """(sum, count) of the server's vllm:time_to_first_token_seconds histogram."""
+    text = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {srv.api_key}"}).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+           if s.name.startswith("vllm:time_to_first_token_seconds_")}
+    return got["vllm:time_to_first_token_seconds_sum"], got["vllm:time_to_first_token_seconds_count"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_guidellm_runs_and_its_ttft_matches_our_metrics(tmp_path, route):
+    with live_server() as srv:
+        tok_dir = Path(srv.engine.tokenizer.name_or_path)
+        scenario = {"spec": {
+            "backend": {"kind": "openai_http", "target": srv.url, "api_key": srv.api_key, "request_format": route},
+            "profile": {"kind": "synchronous"},
+            "data": [{"kind": "synthetic_text", "prompt_tokens": 192, "output_tokens": 8}],
+            "constraints": [{"kind": "max_requests", "count": REQUESTS}],
+            "tokenizer": {"kind": "hf_auto", "model": str(tok_dir)},
+            "outputs": [{"kind": "json", "path": str(tmp_path / "out.json")}],
+        }}
+        (tmp_path / "scenario.json").write_text(json.dumps(scenario))
+        before = ttft(srv)
+        r = subprocess.run([*guidellm_command(), "run", "-c", str(tmp_path / "scenario.json"),
+                            "--disable-console-interactive"], capture_output=True, text=True, timeout=900,
+                           cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        after = ttft(srv)
+    bench = json.loads((tmp_path / "out.json").read_text())["benchmarks"][0]["metrics"]
+    totals = bench["request_totals"]
+    assert totals["errored"] == 0 and totals["successful"] >= REQUESTS - 1, totals
+    client_ms = bench["time_to_first_token_ms"]["successful"]["mean"]
+    server_ms = 1000 * (after[0] - before[0]) / (after[1] - before[1])
+    assert abs(client_ms - server_ms) <= 0.10 * server_ms, (client_ms, server_ms)
