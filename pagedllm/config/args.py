@@ -38,6 +38,12 @@ class EngineArgs:
     ray_address: str | None = None  # an existing Ray cluster for the replicas; None: a local instance
     disaggregate: str | None = None  # "prefill=P,decode=D": prefill and decode on separate replicas
     seed: int = 0
+    # issue 32: multi-LoRA serving (pagedllm.lora)
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()  # "name=path": PEFT adapters served from the start, by their model name
+    max_loras: int = 4  # adapter slots on the device: a step serves at most this many adapters
+    max_lora_rank: int = 16  # adapters of a higher rank are refused at load
+    max_cpu_loras: int | None = None  # loaded adapters kept in host memory (LRU); None: max_loras
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -49,6 +55,8 @@ class EngineArgs:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
             elif f.name in SIZE_FIELDS:
                 parser.add_argument(flag, type=parse_size, default=f.default, help=helptext)
+            elif f.name == "lora_modules":
+                parser.add_argument(flag, nargs="+", default=f.default, help=helptext)
             elif f.name in ("model",):
                 parser.add_argument(flag, default=f.default, help=helptext)
             else:

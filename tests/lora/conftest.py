@@ -1,0 +1,64 @@
+"""LoRA test fixtures: PEFT adapters with random non-zero A and B, and HF + PEFT greedy decoding (the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# 8 adapters that differ in rank, alpha, rsLoRA and targets
+SPECS = [
+    dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS),
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    dict(r=16, lora_alpha=8, target_modules=ALL_TARGETS, use_rslora=True),
+    dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
+    dict(r=8, lora_alpha=32, target_modules=["gate_proj", "up_proj"]),
+    dict(r=1, lora_alpha=1, target_modules=["k_proj"]),
+    dict(r=12, lora_alpha=6, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True),
+    dict(r=6, lora_alpha=12, target_modules=ALL_TARGETS),
+]
+
+
+def make_adapter(hf_model, path, seed: int, b_scale: float = 1.0, **lora_kwargs) -> str:
+    """Save a PEFT LoRA adapter of ``hf_model`` with random A and B (B times ``b_scale``); the model is restored."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(hf_model, LoraConfig(init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(b_scale)
+    peft_model.save_pretrained(str(path))
+    peft_model.unload()
+    return str(path)
+
+
+def peft_greedy(hf_model, adapter: str | None, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF transformers (+ PEFT with ``adapter``) greedy continuations, each prompt alone, no EOS stop."""
+    from peft import PeftModel
+
+    model = hf_model if adapter is None else PeftModel.from_pretrained(hf_model, adapter)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=0,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(seq[0, len(p):].tolist())
+    if adapter is not None:
+        model.unload()
+    return outs
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_hf, tmp_path_factory) -> list[str]:
+    """8 adapters of the tiny model (``SPECS``)."""
+    root = tmp_path_factory.mktemp("tiny_loras")
+    return [make_adapter(tiny_hf, root / f"a{i}", seed=100 + i, **spec) for i, spec in enumerate(SPECS)]
