@@ -13,7 +13,7 @@ SPECS = [
     dict(r=16, lora_alpha=8, target_modules=ALL_TARGETS, use_rslora=True),
     dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
     dict(r=8, lora_alpha=32, target_modules=["gate_proj", "up_proj"]),
-    dict(r=1, lora_alpha=1, target_modules=["k_proj"]),
+    dict(r=1, lora_alpha=8, target_modules=["k_proj", "v_proj"]),
     dict(r=12, lora_alpha=6, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True),
     dict(r=6, lora_alpha=12, target_modules=ALL_TARGETS),
 ]
