@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.config.args import EngineArgs
 from pagedllm.core.engine_core import EngineCore
-from pagedllm.lora.registry import LoRARegistry, parse_lora_modules, shapes_for_model
+from pagedllm.lora.registry import LoRARegistry, check_lora
 from pagedllm.protocol.core_io import EngineCoreRequest
 from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.protocol.limits import RequestLimits
@@ -57,11 +57,7 @@ class LLMEngine:
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = list(spec.eos_token_ids)
         self._ids = itertools.count()
-        self.loras: LoRARegistry | None = None  # issue 32: served adapters (enable_lora)
-        if args.enable_lora:
-            self.loras = LoRARegistry(shapes_for_model(args.model), args.max_lora_rank)
-            for name, path in parse_lora_modules(args.lora_modules):
-                self.loras.add(name, path)
+        self.loras = LoRARegistry.from_args(args)  # issue 32: served adapters (None without enable_lora)
         log.info("engine ready in %.1f s: %s on %s, dtype %s, kv %s, %d blocks of %d tokens (%d tokens), "
                  "backend %s, executor %s", time.monotonic() - t0, self.model_name, spec.device, spec.dtype,
                  spec.kv_dtype, spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, spec.backend,
@@ -77,11 +73,7 @@ class LLMEngine:
 
     def check_lora(self, lora: LoRARequest | None) -> None:
         """ValueError unless ``lora`` (None: the base model) can serve here: LoRA on, the adapter loads and fits."""
-        if lora is None:
-            return
-        if self.loras is None:
-            raise ValueError("lora_request: this engine was started without enable_lora")
-        self.loras.check(lora)
+        check_lora(self.loras, lora)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,

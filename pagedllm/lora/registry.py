@@ -39,8 +39,18 @@ class LoRARegistry:
         self.shapes, self.max_rank = shapes, max_rank
         self.by_name: dict[str, LoRARequest] = {}
         self._checked: set[LoRARequest] = set()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1)  # never reused: an id names one adapter's KV in the prefix cache
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_args(cls, args) -> "LoRARegistry | None":
+        """The registry of an engine's ``EngineArgs`` with its ``lora_modules`` added; None without enable_lora."""
+        if not args.enable_lora:
+            return None
+        registry = cls(shapes_for_model(args.model), args.max_lora_rank)
+        for name, path in parse_lora_modules(args.lora_modules):
+            registry.add(name, path)
+        return registry
 
     def check(self, lora: LoRARequest) -> None:
         """Load ``lora`` once to check it against the base model (LoRALoadError says why it cannot serve)."""
@@ -53,9 +63,7 @@ class LoRARegistry:
         with self._lock:
             if name in self.by_name:
                 raise ValueError(f"adapter {name!r} is already loaded")
-            used = {r.lora_int_id for r in self.by_name.values()}
-            lora_id = next(i for i in self._ids if i not in used)
-            lora = LoRARequest(name, lora_id, path)
+            lora = LoRARequest(name, next(self._ids), path)
             self.check(lora)
             self.by_name[name] = lora
             return lora
@@ -71,4 +79,13 @@ class LoRARegistry:
         return self.by_name.get(name)
 
 
-__all__ = ["LoRALoadError", "LoRARegistry", "parse_lora_modules", "shapes_for_model"]
+def check_lora(registry: LoRARegistry | None, lora: LoRARequest | None) -> None:
+    """ValueError unless ``lora`` (None: the base model) can serve on an engine with ``registry`` (None: LoRA off)."""
+    if lora is None:
+        return
+    if registry is None:
+        raise ValueError("lora_request: this engine was started without enable_lora")
+    registry.check(lora)
+
+
+__all__ = ["LoRALoadError", "LoRARegistry", "check_lora", "parse_lora_modules", "shapes_for_model"]

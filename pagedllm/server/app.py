@@ -40,6 +40,7 @@ from pagedllm.server.protocol import (
     PromptTokensDetails, SamplingRequest, TopLogprob, Usage,
 )
 from pagedllm.server.request_extras import check_unknown_fields
+from pagedllm.server.routes_lora import lora_model_cards, resolve_model, router as lora_router
 from pagedllm.server.routes_utility import router as utility_router
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
 from pagedllm.server.tool_calls import get_tool_parser
@@ -75,9 +76,8 @@ class OpenAIServing:
                            .split("[")[0], code="invalid_text")
 
     def check_model(self, body: SamplingRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        """404 naming a ``model`` that is neither the base model nor a served LoRA adapter."""
+        resolve_model(self, body.model)
 
     async def admit(self, body: SamplingRequest, tokenize: Callable[[AsyncEngine], list[list[int]]],
                     max_tokens: int | None, logprobs: int | None, structured: StructuredOutputsParams | None = None,
@@ -127,18 +127,20 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                  cache_salt: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  cache_salt: str | None, model: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run each prompt as its own engine request; yield (prompt index, cumulative output) as they come.
 
-        Leaving early (the client went away, or the consumer was cancelled) cancels the pumps, and
-        each pump's ``AsyncEngine.generate`` aborts its request, freeing the blocks.
+        ``model``: the base model's name or a served LoRA adapter's. Leaving early (the client went away, or
+        the consumer was cancelled) cancels the pumps, and each pump's ``AsyncEngine.generate`` aborts its
+        request, freeing the blocks.
         """
         q: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        lora = resolve_model(self, model)
 
         async def pump(i: int, ids: list[int]) -> None:
             last = None
             try:
-                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", cache_salt):
+                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", cache_salt, lora):
                     now = time.monotonic()
                     if last is not None:
                         self.metrics.observe_inter_token(now - last)
@@ -259,7 +261,8 @@ class OpenAIServing:
             return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         if not body.stream:
-            finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt) if out.finished}
+            finals = {i: out async for i, out in self.run(request, ids, params, rid, body.cache_salt, body.model)
+                      if out.finished}
             choices = [choice(i, Delta.whole(o), i * n + o.index, finals[i]) for i in sorted(finals)
                        for o in finals[i].outputs]
             return JSONResponse(response(choices, self.usage(ids, finals, body.max_tokens > 0)).model_dump())
@@ -267,7 +270,7 @@ class OpenAIServing:
         async def chunks() -> AsyncIterator[BaseModel]:
             trackers: dict[int, DeltaTracker] = {}
             finals: dict[int, RequestOutput] = {}
-            async for i, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for i, out in self.run(request, ids, params, rid, body.cache_salt, body.model):
                 if out.finished:
                     finals[i] = out
                 choices = []
@@ -304,7 +307,7 @@ class OpenAIServing:
 
         if not body.stream:
             final = None
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, body.cache_salt, body.model):
                 final = out
             choices = []
             for o in final.outputs:
@@ -325,7 +328,7 @@ class OpenAIServing:
             trackers = [DeltaTracker(params.stop) for _ in range(params.n)]
             streamers = [plan.streamer() for _ in range(params.n)] if plan.tools else None
             final = None
-            async for _, out in self.run(request, ids, params, rid, body.cache_salt):
+            async for _, out in self.run(request, ids, params, rid, body.cache_salt, body.model):
                 final = out
                 choices = []
                 for o in out.outputs:
@@ -390,7 +393,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     s = _serving(request)
-    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.engine.max_model_len)])
+    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.engine.max_model_len), *lora_model_cards(s)])
 
 
 @router.get("/health")
@@ -467,6 +470,7 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     app.add_exception_handler(Exception, _server_error)
     app.include_router(router)
     app.include_router(utility_router)
+    app.include_router(lora_router)
     try:
         from pagedllm.server.dashboard import router as dashboard_router
     except ModuleNotFoundError as e:  # the dashboard is optional; anything else wrong in it should surface

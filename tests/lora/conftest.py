@@ -62,3 +62,22 @@ def tiny_adapters(tiny_hf, tmp_path_factory) -> list[str]:
     """8 adapters of the tiny model (``SPECS``)."""
     root = tmp_path_factory.mktemp("tiny_loras")
     return [make_adapter(tiny_hf, root / f"a{i}", seed=100 + i, **spec) for i, spec in enumerate(SPECS)]
+
+
+@pytest.fixture(scope="session")
+def bad_adapters(tiny_hf, tiny_adapters, tmp_path_factory) -> dict[str, str]:
+    """Adapters the tiny model must refuse: rank 32 (above 16), made for another base model, a broken file."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("bad_loras")
+    high = make_adapter(tiny_hf, root / "rank32", seed=1, r=32, lora_alpha=32, target_modules=["q_proj"])
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    wrong = make_adapter(other, root / "other_base", seed=2, r=4, lora_alpha=8, target_modules=ALL_TARGETS)
+    broken = root / "broken"
+    shutil.copytree(tiny_adapters[0], broken)
+    weights = broken / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    return {"rank": high, "shape": wrong, "broken": str(broken)}
