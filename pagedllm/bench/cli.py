@@ -32,6 +32,7 @@ BENCHES = {
     "attention": "attention backend microbenchmark",
     "structured": "grammar mask + accept per decode step vs the step itself (JSON schemas, batch 1..64)",
     "kvquant": "int8 / fp8 KV cache vs fp32: tokens per budget, perplexity, decode step at 1k-8k, W1",
+    "lora": "multi-LoRA: 1/8/64 adapters (Zipf) mixed in batches vs the base model vs HF + PEFT one at a time",
 }
 
 
