@@ -21,11 +21,10 @@ BLOCK_N = 64
 @triton.jit
 def _shrink(x_ptr, a_ptr, slot_ptr, s_ptr, K, stride_x, stride_as, stride_at, stride_ar, N_T: tl.constexpr,
             R: tl.constexpr, R_P2: tl.constexpr, BK: tl.constexpr):
-    tok = tl.program_id(0)
-    t = tl.program_id(1)
+    tok, t = tl.program_id(0), tl.program_id(1)  # (token, target)
     slot = tl.load(slot_ptr + tok)
+    r = tl.arange(0, R_P2)
     if slot >= 0:
-        r = tl.arange(0, R_P2)
         acc = tl.zeros((R_P2,), dtype=tl.float32)
         base = a_ptr + slot.to(tl.int64) * stride_as + t * stride_at
         for k0 in range(0, K, BK):
@@ -41,11 +40,10 @@ def _shrink(x_ptr, a_ptr, slot_ptr, s_ptr, K, stride_x, stride_as, stride_at, st
 def _expand(s_ptr, b_ptr, slot_ptr, y_ptr, N, stride_y, stride_bs, stride_br, t, N_T: tl.constexpr,
             R: tl.constexpr, R_P2: tl.constexpr, BN: tl.constexpr):
     tok = tl.program_id(0)
-    nb = tl.program_id(1)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)  # this program's output columns
     slot = tl.load(slot_ptr + tok)
     if slot >= 0:
         r = tl.arange(0, R_P2)
-        n = nb * BN + tl.arange(0, BN)
         sv = tl.load(s_ptr + (tok * N_T + t) * R_P2 + r)
         bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + r[:, None] * stride_br + n[None, :],
                      mask=(r[:, None] < R) & (n[None, :] < N), other=0.0).to(tl.float32)

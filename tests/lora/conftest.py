@@ -51,17 +51,31 @@ def peft_greedy(hf_model, adapter: str | None, prompts: list[list[int]], n: int)
 
 
 @pytest.fixture(scope="session")
-def tiny_hf(tiny_model_dir):
+def hf_with_adapters(tmp_path_factory):
+    """``get(model_dir, seed) -> (HF fp32 model, the 8 SPECS adapters' paths)``, made once per model."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    made: dict[str, tuple] = {}
+
+    def get(model_dir: str, seed: int):
+        if model_dir not in made:
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            root = tmp_path_factory.mktemp("loras")
+            made[model_dir] = hf, [make_adapter(hf, root / f"a{i}", seed=seed + i, **spec)
+                                   for i, spec in enumerate(SPECS)]
+        return made[model_dir]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_adapters(tiny_hf, tmp_path_factory) -> list[str]:
-    """8 adapters of the tiny model (``SPECS``)."""
-    root = tmp_path_factory.mktemp("tiny_loras")
-    return [make_adapter(tiny_hf, root / f"a{i}", seed=100 + i, **spec) for i, spec in enumerate(SPECS)]
+def tiny_hf(tiny_model_dir, hf_with_adapters):
+    return hf_with_adapters(tiny_model_dir, 100)[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir, hf_with_adapters) -> list[str]:
+    return hf_with_adapters(tiny_model_dir, 100)[1]
 
 
 @pytest.fixture(scope="session")

@@ -71,3 +71,14 @@ def test_lora_request_needs_enable_lora(tiny_model_dir, tiny_adapters):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, tiny_adapters[0]))
     assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished()
     llm.engine.shutdown()
+
+
+def test_bad_adapter_refused_before_anything_runs(tiny_model_dir, tiny_adapters, bad_adapters):
+    llm = make_llm(tiny_model_dir)
+    good = LoRARequest("a0", 1, tiny_adapters[0])
+    with pytest.raises(ValueError, match="weights file is broken"):
+        llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY, use_tqdm=False,
+                     lora_request=[good, LoRARequest("bad", 9, bad_adapters["broken"])])
+    assert not llm.engine.has_unfinished() and llm.engine.kv.pool.num_used == 0
+    assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=good)[0].outputs[0].token_ids) == 6
+    llm.engine.shutdown()

@@ -3,35 +3,20 @@ batch: each greedy output is token-identical to HF transformers + PEFT with that
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 from pagedllm import LLM, SamplingParams
 from pagedllm.protocol.lora_request import LoRARequest
-from tests.lora.conftest import SPECS, make_adapter, peft_greedy
+from tests.lora.conftest import peft_greedy
 
 N_NEW = 8
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 
-@pytest.fixture(scope="module")
-def smol_hf(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def smol_adapters(smol_hf, tmp_path_factory) -> list[str]:
-    root = tmp_path_factory.mktemp("smol_loras")
-    return [make_adapter(smol_hf, root / f"s{i}", seed=200 + i, **spec) for i, spec in enumerate(SPECS)]
-
-
-def test_eight_adapters_mixed_match_peft(smol_hf, smol_adapters):
+def test_eight_adapters_mixed_match_peft(smollm2_dir, hf_with_adapters):
+    smol_hf, smol_adapters = hf_with_adapters(smollm2_dir, 200)
     llm = LLM(enable_lora=True, max_loras=8, max_lora_rank=16, dtype="float32", kv_cache_memory=256 << 20,
               check_integrity=True)
     prompts = [llm.tokenizer.encode(t) for t in TEXTS]
-    loras = [None] + [LoRARequest(f"s{i}", i + 1, p) for i, p in enumerate(smol_adapters)]
+    loras = [None] + [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(smol_adapters)]
     per_prompt = [lr for lr in loras for _ in prompts]
     outs = llm.generate([p for _ in loras for p in prompts], SamplingParams(max_tokens=N_NEW, temperature=0,
                                                                             ignore_eos=True),
