@@ -29,12 +29,14 @@ class LoRAStep:
 
     @classmethod
     def build(cls, slots: LoRASlots, slot_of_token: torch.Tensor, dtype: torch.dtype) -> "LoRAStep | None":
-        """None when no token uses an adapter (the step runs the base model's path untouched)."""
+        """None when no token uses an adapter (the step runs the base model's path untouched). ``slot_of_token``
+        is on the host (read here without a device sync); the step's tensors go to the slots' device."""
         if slot_of_token.numel() == 0 or int(slot_of_token.max()) < 0:
             return None
         k = int(slot_of_token.max()) + 1
         mask = torch.nn.functional.one_hot(slot_of_token + 1, k + 1)[:, 1:].to(dtype)
-        return cls(slots, slot_of_token, mask[:, :, None, None], k)
+        dev = slots.layers[0]["o"].a.device
+        return cls(slots, slot_of_token.to(dev), mask[:, :, None, None].to(dev), k)
 
     def add_(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """``y[:, target columns] += B_slot A_slot x`` per token for every target of ``group`` (in place)."""

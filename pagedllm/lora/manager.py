@@ -59,8 +59,7 @@ class LoRAManager:
         for lora_id in wanted:
             self._make_resident(lora_id, set(wanted))
         slot_of_id = torch.tensor([self.slot_of[i] if i else -1 for i in ids.tolist()], dtype=torch.int64)
-        slot_of_token = slot_of_id[inverse].to(self.slots.layers[0]["o"].a.device)
-        return LoRAStep.build(self.slots, slot_of_token, self.dtype)
+        return LoRAStep.build(self.slots, slot_of_id[inverse], self.dtype)
 
     def _make_resident(self, lora_id: int, needed: set[int]) -> None:
         if lora_id in self.slot_of:

@@ -99,3 +99,17 @@ def test_registry_ids_never_reused(tiny_adapters, shapes):
         reg.add("a", tiny_adapters[0])
     with pytest.raises(KeyError):
         reg.remove("zzz")
+
+
+def test_cli_flags():
+    import argparse
+
+    from pagedllm.config.args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_namespace(parser.parse_args(
+        ["--enable-lora", "--lora-modules", "sql=/a", "chat=/b", "--max-loras", "3", "--max-lora-rank", "64",
+         "--max-cpu-loras", "10"]))
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (True, 3, 64, 10)
+    assert parse_lora_modules(args.lora_modules) == [("sql", "/a"), ("chat", "/b")]
