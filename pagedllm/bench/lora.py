@@ -103,7 +103,7 @@ def run(args) -> Report:
     num = args.requests or (6 if args.quick else 32)
     rounds = args.rounds or (1 if args.quick else 2)
     model_dir = resolve_model_dir(None)
-    engine = {**args.engine_args}
+    engine = {"kv_cache_memory": 512 << 20, **args.engine_args}  # two engines and HF share the machine's memory
     base = make_llm(args.dtype, seed=args.seed, **engine)
     reqs = random_requests(base.engine.tokenizer, num, (8, 48) if args.quick else (32, 256),
                            (4, 16) if args.quick else (32, 64), seed=args.seed)
