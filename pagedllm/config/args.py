@@ -40,6 +40,12 @@ class EngineArgs:
     seed: int = 0
     # issue 33: vLLM compatibility
     kv_events_config: str | None = None  # vLLM's JSON: publish KV cache events over ZeroMQ (kv/kv_events.py)
+    # issue 32: multi-LoRA serving (pagedllm.lora)
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()  # "name=path": PEFT adapters served from the start, by their model name
+    max_loras: int = 4  # adapter slots on the device: a step serves at most this many adapters
+    max_lora_rank: int = 16  # adapters of a higher rank are refused at load
+    max_cpu_loras: int | None = None  # loaded adapters kept in host memory (LRU); None: max_loras
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -52,6 +58,8 @@ class EngineArgs:
             elif f.name in SIZE_FIELDS:
                 kind = parse_gib_size if f.name in GIB_FIELDS else parse_size
                 parser.add_argument(flag, type=kind, default=f.default, help=helptext)
+            elif f.name == "lora_modules":
+                parser.add_argument(flag, nargs="+", default=f.default, help=helptext)
             elif f.name in ("model",):
                 parser.add_argument(flag, default=f.default, help=helptext)
             else:

@@ -45,6 +45,13 @@ ENGINE_FLAG_HELP = {
                         "topic, buffer_steps, hwm)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(methods: ngram, suffix, draft_model with model or num_layers)",
+    # issue 32: multi-LoRA serving
+    "enable_lora": "serve PEFT LoRA adapters (requests choose one by its name as the OpenAI 'model')",
+    "lora_modules": "adapters to serve from the start, as name=path (a PEFT adapter directory) ...",
+    "max_loras": "adapter slots on the device (their memory comes out of the KV cache budget); a step mixes at most "
+                 "this many adapters",
+    "max_lora_rank": "the highest adapter rank accepted; higher ones are refused at load",
+    "max_cpu_loras": "loaded adapters kept in host memory, least recently used dropped first (default: max_loras)",
 }
 
 SIZE_FIELDS = ("kv_cache_memory", "swap_space")

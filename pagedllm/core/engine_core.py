@@ -61,7 +61,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-            preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching))
+            preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching,
+            max_loras=args.max_loras if args.enable_lora else 0))
         self.beam = BeamSearch(self)
         self._structured = None  # StructuredOutputManager, made with the first structured request
         self.speculator = Speculator.from_config(args.speculative_config, getattr(self.executor, "worker", None),
@@ -79,8 +80,10 @@ class EngineCore:
         if r.request_id in self.requests:
             raise ValueError(f"request id {r.request_id!r} is already in use")
         self.limits.check(r.prompt_token_ids, r.params)
+        if r.lora_request is not None and not self.scheduler.config.max_loras:
+            raise ValueError(f"lora_request {r.lora_request.lora_name!r}: this engine was started without enable_lora")
         req = Request(r.request_id, None, list(r.prompt_token_ids), r.params, cache_salt=r.cache_salt,
-                      priority=r.priority)
+                      priority=r.priority, lora_request=r.lora_request)
         if r.arrival_time is not None:
             req.arrival_time = req.metrics.arrival_time = r.arrival_time
         seq = Sequence(req, 0, list(r.prompt_token_ids))
@@ -215,7 +218,8 @@ class EngineCore:
             seq, req = c.seq, c.seq.request
             p = req.params
             if seq.num_sent == 0:
-                so.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, p, seq.index))
+                so.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, p, seq.index,
+                                               req.lora_request))
                 new_tokens = []
             else:
                 new_tokens = seq.token_ids[seq.num_sent:]
@@ -256,7 +260,7 @@ class EngineCore:
                 seq.spec_token_ids = []
                 if kept:  # the kept drafts' KV is in the pool before they join token_ids below
                     ids = ids + out.token_ids[:kept]
-            salt_of(seq.seq_id, ids, req.cache_salt, num_computed=seq.num_computed)
+            salt_of(seq.seq_id, ids, req.cache_salt, num_computed=seq.num_computed, lora_id=req.lora_id)
             if out.error is not None:
                 self.abort_request(req.request_id, error=out.error)
                 continue

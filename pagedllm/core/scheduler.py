@@ -33,6 +33,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "lpm", or "priority" (lowest Request.priority first, then arrival: vLLM's)
     lpm_lambda: float = 10.0  # tokens of matched prefix worth one second of waiting
     batching: str = "continuous"  # or "static": admit a new batch only when the last has finished
+    max_loras: int = 0  # issue 32: LoRA adapters the running requests may use at once (the worker's slots)
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -152,7 +153,7 @@ class Scheduler:
             prefix = None
             if (prefix_first and seq.num_computed == 0 and self.config.enable_prefix_caching
                     and req.params.prompt_logprobs is None):  # prompt logprobs need every position computed
-                prefix = self.kv.match_prefix(seq.token_ids, req.cache_salt)
+                prefix = self.kv.match_prefix(seq.token_ids, req.cache_salt, lora_id=req.lora_id)
                 if prefix.num_tokens == 0:
                     prefix = None
             hit = prefix.num_tokens if prefix else 0
@@ -239,7 +240,7 @@ class Scheduler:
             now = time.monotonic()
 
             def priority(r: Request) -> float:
-                matched = self.kv.match_prefix(r.seqs[0].token_ids, r.cache_salt, record=False).num_tokens
+                matched = self.kv.match_prefix(r.seqs[0].token_ids, r.cache_salt, False, r.lora_id).num_tokens
                 return matched + self.config.lpm_lambda * (now - r.arrival_time)
 
             best = max(self.waiting, key=priority)
@@ -251,7 +252,7 @@ class Scheduler:
         """Identity of the prompt's first full block (with the tenant salt), if it has one."""
         bs = self.kv.block_size
         ids = req.prompt_token_ids
-        return (req.cache_salt, tuple(ids[:bs])) if len(ids) > bs else None
+        return (req.cache_salt, req.lora_id, tuple(ids[:bs])) if len(ids) > bs else None
 
     def _in_flight_prefixes(self) -> set[tuple]:
         """First blocks that running requests are computing right now (not yet in the prefix cache)."""
@@ -274,9 +275,12 @@ class Scheduler:
                 if self.num_running_seqs() + live > self.config.max_num_seqs:
                     return
                 req = self._next_waiting()
+                if not self._lora_fits(req):  # its adapter waits for a free slot; others go ahead
+                    deferred.append(req)
+                    continue
                 key = self._first_block_key(req) if dedupe and req.seqs[0].num_computed == 0 else None
                 if key is not None and key in in_flight and self.kv.match_prefix(
-                        req.seqs[0].token_ids, req.cache_salt, record=False).num_tokens == 0:
+                        req.seqs[0].token_ids, req.cache_salt, False, req.lora_id).num_tokens == 0:
                     deferred.append(req)
                     continue
                 if not self._try_admit(req, budget, out, scheduled):
@@ -286,6 +290,13 @@ class Scheduler:
                     in_flight.add(key)
         finally:
             self.waiting.extendleft(reversed(deferred))
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether admitting ``req`` keeps the running and swapped requests' adapters within ``max_loras``."""
+        if not req.lora_id:
+            return True
+        held = {r.lora_id for q in (self.running, self.swapped) for r in q if r.lora_id}
+        return req.lora_id in held or len(held) < self.config.max_loras
 
     def _try_admit(self, req: Request, budget: list[int], out: Schedule, scheduled: set[int]) -> bool:
         """Schedule ``req``'s first chunk; on failure undo everything it got this step."""

@@ -9,6 +9,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.protocol.lora_request import LoRARequest, lora_id_of
 from pagedllm.protocol.outputs import RequestMetrics
 from pagedllm.protocol.sampling_params import SamplingParams
 
@@ -96,6 +97,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
     beam_finished: list[tuple[float, Sequence]] = field(default_factory=list)  # beam search hypotheses
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -103,3 +105,7 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    @property
+    def lora_id(self) -> int:
+        return lora_id_of(self.lora_request)

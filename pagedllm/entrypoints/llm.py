@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.config.args import EngineArgs
 from pagedllm.frontend.llm_engine import LLMEngine
+from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.protocol.outputs import RequestOutput
 from pagedllm.frontend.prompt_inputs import PromptInput, normalize_prompts
 from pagedllm.protocol.sampling_params import SamplingParams
@@ -27,11 +28,13 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion under continuous batching; outputs in prompt order.
 
-        All prompts and settings are validated before any is scheduled, so a bad one raises
-        ValueError and nothing runs.
+        ``lora_request``: one adapter for every prompt, or one per prompt (None: the base model); prompts
+        of different adapters run in the same batches. All prompts, settings and adapters are validated
+        before any is scheduled, so a bad one raises ValueError and nothing runs.
         """
         prompts = normalize_prompts(prompts)
         if not prompts:
@@ -40,10 +43,16 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         eng = self.engine
         for p, sp in zip(prompts, params_list):
             eng.validate(eng.tokenize(p)[1], sp)
-        reqs = [eng.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, params_list)]
+        for lora in loras:
+            eng.check_lora(lora)
+        reqs = [eng.add_request(p, sp, cache_salt=cache_salt, lora_request=lr)
+                for p, sp, lr in zip(prompts, params_list, loras)]
         return self._run(reqs, use_tqdm)
 
     def chat(

@@ -52,8 +52,6 @@ _ONLY_ALSO = {"chat_template_content_format": {"auto"}, "tokenizer_mode": {"auto
 
 # flags for features not built yet: refused whatever their value
 _REFUSED = {
-    "enable_lora": (None, "LoRA adapters are not supported"),
-    "lora_modules": ("+", "LoRA adapters are not supported"),
     "hf_overrides": (str, "overriding the model's config is not supported"),
     "override_generation_config": (str, "generation-config defaults are not applied (see --generation-config)"),
     "revision": (str, "models load from local paths; a hub revision cannot be chosen"),

@@ -17,7 +17,9 @@ from typing import Any
 
 from pagedllm.config.args import EngineArgs
 from pagedllm.frontend.core_client import CoreClient, EngineCoreDied, ProcessCoreClient, ThreadCoreClient
+from pagedllm.lora.registry import LoRARegistry, check_lora
 from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.frontend.heap import trim_heap
 from pagedllm.protocol.limits import RequestLimits
 from pagedllm.frontend.llm_engine import tokenize_prompt
@@ -30,6 +32,8 @@ log = logging.getLogger("pagedllm.async")
 
 
 class AsyncEngine:
+    loras: LoRARegistry | None = None  # issue 32: served adapters by name (None without enable_lora)
+
     def __init__(self, args: EngineArgs | None = None, core_process: bool = True):
         self.args = args = args or EngineArgs()
         self.tokenizer = load_tokenizer(args.model)
@@ -50,6 +54,7 @@ class AsyncEngine:
         self.limits = RequestLimits(spec.max_model_len, spec.num_blocks, spec.block_size, spec.vocab_size)
         self.model_name = spec.model_name
         self.max_model_len = spec.max_model_len
+        self.loras = LoRARegistry.from_args(args)
 
     @property
     def error(self) -> BaseException | None:
@@ -111,13 +116,15 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.client.call(fn))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step it makes progress; the last is finished.
 
-        Raises ValueError (before anything is scheduled) for a bad prompt or settings.
+        Raises ValueError (before anything is scheduled) for a bad prompt, settings or adapter.
         """
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
+        check_lora(self.loras, lora_request)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         now = time.monotonic()
@@ -128,8 +135,8 @@ class AsyncEngine:
         self._streams[request_id] = (loop, q)
         finished = False
         try:
-            await asyncio.wrap_future(self.client.add(EngineCoreRequest(request_id, ids, params, cache_salt, now,
-                                                                       priority)))
+            await asyncio.wrap_future(self.client.add(EngineCoreRequest(
+                request_id, ids, params, cache_salt, now, priority=priority, lora_request=lora_request)))
             while True:
                 item = await q.get()
                 if isinstance(item, EngineCoreDied):

@@ -16,7 +16,9 @@ import torch
 
 from pagedllm.config.args import EngineArgs
 from pagedllm.core.engine_core import EngineCore
+from pagedllm.lora.registry import LoRARegistry, check_lora
 from pagedllm.protocol.core_io import EngineCoreRequest
+from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.protocol.limits import RequestLimits
 from pagedllm.frontend.output_processor import OutputProcessor
 from pagedllm.protocol.outputs import RequestOutput
@@ -55,6 +57,7 @@ class LLMEngine:
         self.max_model_len = spec.max_model_len
         self.eos_token_ids = list(spec.eos_token_ids)
         self._ids = itertools.count()
+        self.loras = LoRARegistry.from_args(args)  # issue 32: served adapters (None without enable_lora)
         log.info("engine ready in %.1f s: %s on %s, dtype %s, kv %s, %d blocks of %d tokens (%d tokens), "
                  "backend %s, executor %s", time.monotonic() - t0, self.model_name, spec.device, spec.dtype,
                  spec.kv_dtype, spec.num_blocks, spec.block_size, spec.num_blocks * spec.block_size, spec.backend,
@@ -68,19 +71,25 @@ class LLMEngine:
         """Everything that can be wrong with a request, checked before it is scheduled."""
         self.limits.check(prompt_ids, params)
 
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """ValueError unless ``lora`` (None: the base model) can serve here: LoRA on, the adapter loads and fits."""
+        check_lora(self.loras, lora)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request; returns its id. ValueError (nothing queued) for a bad prompt or settings."""
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request; returns its id. ValueError (nothing queued) for a bad prompt, settings or adapter."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:  # keep the prompt's last N tokens, as vLLM
             text, ids = None, ids[-params.truncate_prompt_tokens:]
         self.validate(ids, params)
+        self.check_lora(lora_request)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.processor.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         now = time.monotonic()
-        self.core.add_request(EngineCoreRequest(rid, ids, params, cache_salt, now))
+        self.core.add_request(EngineCoreRequest(rid, ids, params, cache_salt, now, lora_request))
         self.processor.add_request(rid, text, ids, params, now)
         return rid
 

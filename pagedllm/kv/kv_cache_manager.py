@@ -104,16 +104,17 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None, record: bool = True) -> PrefixMatch:
+    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None, record: bool = True,
+                     lora_id: int = 0) -> PrefixMatch:
         """Longest cached prefix of a prompt (full blocks, token ids verified, at least one token
         left to compute). Takes no references: pass it to ``allocate_slots`` right away. Each call
         counts as one query in ``stats()`` unless ``record=False`` (a probe for ordering)."""
         if not self.enable_prefix_caching:
             return PrefixMatch()
-        return self.prefix_cache.match(token_ids, extra_keys_for(cache_salt), record)
+        return self.prefix_cache.match(token_ids, extra_keys_for(cache_salt, lora_id), record)
 
     def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None,
-                          num_computed: int | None = None) -> None:
+                          num_computed: int | None = None, lora_id: int = 0) -> None:
         """Hash and register the sequence's full blocks not registered yet: the one place block
         hashes are made. The first ``num_computed`` of ``token_ids`` (default: all) have KV in the
         pool; only they are ever hashed. Idempotent and O(1) when no block filled up."""
@@ -128,7 +129,8 @@ class KVCacheManager:
         k = len(st.hashes)
         if k < n_full:
             parent = st.hashes[-1] if k else None
-            st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs, extra_keys_for(cache_salt))
+            extra = extra_keys_for(cache_salt, lora_id)
+            st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs, extra)
         for i in range(st.num_registered, n_full):
             self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs],
                                      st.hashes[i - 1] if i else None)

@@ -35,9 +35,11 @@ def hash_key() -> bytes:
 HASH_KEY = hash_key()
 
 
-def extra_keys_for(cache_salt: str | None) -> ExtraKeys:
-    """Extra hash keys of a request; today only its optional tenant salt."""
-    return () if cache_salt is None else (("cache_salt", cache_salt),)
+def extra_keys_for(cache_salt: str | None, lora_id: int = 0) -> ExtraKeys:
+    """Extra hash keys of a request: its optional tenant salt and its LoRA adapter (an adapter changes every
+    layer's K/V, so blocks are never shared across adapters or with the base model)."""
+    keys = () if cache_salt is None else (("cache_salt", cache_salt),)
+    return keys + (("lora", lora_id),) if lora_id else keys
 
 
 def _extra_bytes(extra_keys: ExtraKeys) -> bytes:

@@ -67,10 +67,11 @@ class ForwardPass:
         return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.int64)))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, lora=None) -> torch.Tensor:
         """Hidden states ``[T, E]`` of one flat batch whose metadata is already built (the worker's
-        persistent batch builds it from tensors); K/V of every token are written to the pool."""
-        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta, self.backend)
+        persistent batch builds it from tensors); K/V of every token are written to the pool. ``lora``: the
+        step's per-token adapters (``pagedllm.lora.delta.LoRAStep``), None for the base model alone."""
+        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta, self.backend, lora)
         self.last_step = StepStats(meta.num_tokens, meta.num_seqs, meta.num_decodes)
         return hidden
 

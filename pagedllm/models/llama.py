@@ -24,6 +24,7 @@ from pagedllm.models.quant import QUANTIZATIONS, QuantizedWeight, kernel_availab
 
 if TYPE_CHECKING:
     from pagedllm.distributed.parallel_state import TPGroup
+    from pagedllm.lora.delta import LoRAStep
 
 
 # the weight matrices of a decoder layer (dense tensors or GGUF blocks)
@@ -35,8 +36,9 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, act_dtype: torch.dtype, upcast: bool):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, act_dtype: torch.dtype, upcast: bool, index: int = 0):
         super().__init__()
+        self.index = index  # which layer: selects this layer's LoRA weights
         H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
         self.q_size, self.kv_size = H * D, Hkv * D
@@ -58,18 +60,21 @@ class LlamaDecoderLayer(nn.Module):
         self.tp: TPGroup | None = None
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos, sin, k_cache, v_cache, meta, backend,
-                scale: float) -> torch.Tensor:
+                scale: float, lora: LoRAStep | None = None) -> torch.Tensor:
         """One layer over the residual stream ``h [T, E]``, updated in place; returns the MLP output.
 
         Each residual add is fused into the norm that follows it (vLLM style), so ``delta`` is the
         previous layer's MLP output (None at the first layer) and the caller adds the one returned
-        here in the next layer's input norm or the final norm.
+        here in the next layer's input norm or the final norm. ``lora``: each token's adapter delta is added
+        to the q/k/v, o, gate/up and down outputs (before rope and the activation).
         """
         up = self.upcast
         T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = add_rms_norm_(h, delta, self.input_norm, self.eps)
         qkv = linear(x, self.qkv_weight, self.qkv_bias, up)  # [T, (H + 2 Hkv) D]
+        if lora is not None:
+            lora.add_(self.index, "qkv", qkv, x)
         fused = getattr(backend, "forward_qkv", None)
         if fused is not None and self.qk_norm is None:  # no head views: ~40 us less a layer at batch 1
             apply_rope_heads_(qkv, H + Hkv, cos, sin)
@@ -82,11 +87,18 @@ class LlamaDecoderLayer(nn.Module):
             apply_rope_(qk, cos, sin)
             attn = backend.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, scale).reshape(T, H * D)
         o = linear(attn, self.o_weight, self.o_bias, up)
+        if lora is not None:
+            lora.add_(self.index, "o", o, attn)
         if self.tp is not None:
             self.tp.all_reduce(o)
         x = add_rms_norm_(h, o, self.post_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, None, up)
-        down = linear(silu_mul(gate_up), self.down_weight, None, up)
+        if lora is not None:
+            lora.add_(self.index, "gate_up", gate_up, x)
+        act = silu_mul(gate_up)
+        down = linear(act, self.down_weight, None, up)
+        if lora is not None:
+            lora.add_(self.index, "down", down, act)
         return down if self.tp is None else self.tp.all_reduce(down)
 
 
@@ -112,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         act = self.act_dtype
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, act, self.upcast_matmuls) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, dtype, act, self.upcast_matmuls, i) for i in range(cfg.num_layers)
         )
         self.norm = _param(cfg.hidden_size, dtype=act)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
@@ -257,8 +269,10 @@ class LlamaForCausalLM(nn.Module):
         kv_cache,  # pagedllm.kv.kv_cache.KVCache
         meta: AttentionMetadata,
         backend,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        """One pass over the flat batch; calls ``backend.prepare(meta)`` once before the layers."""
+        """One pass over the flat batch; calls ``backend.prepare(meta)`` once before the layers. ``lora``: the
+        step's per-token adapters (None: the base model for every token)."""
         backend.prepare(meta)
         h = self.embed_tokens(input_ids)  # a fresh tensor: the layers update it in place
         cos = self.rope_cos.index_select(0, positions)
@@ -266,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            delta = layer.forward(h, delta, cos, sin, k_cache, v_cache, meta, backend, self.scale)  # no hook dispatch
+            delta = layer.forward(h, delta, cos, sin, k_cache, v_cache, meta, backend, self.scale, lora)  # no hooks
         return add_rms_norm_(h, delta, self.norm, self.config.rms_norm_eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

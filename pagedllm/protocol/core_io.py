@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.protocol.outputs import RequestMetrics
 from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.protocol.step_io import Logprobs
@@ -18,6 +19,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     arrival_time: float | None = None
     priority: int = 0  # lower first, under the "priority" scheduling policy (vLLM's)
+    lora_request: LoRARequest | None = None  # the adapter to run with (None: the base model)
 
 
 @dataclass

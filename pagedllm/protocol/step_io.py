@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.protocol.sampling_params import SamplingParams
 
 BlockPairs = list[tuple[int, int]]
@@ -28,6 +29,7 @@ class NewSeqData:
     num_prompt_tokens: int
     params: SamplingParams
     sample_index: int = 0  # seeds its generator (seed * 1_000_003 + index), as parallel samples must differ
+    lora: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
 
 
 @dataclass

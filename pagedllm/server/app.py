@@ -51,6 +51,7 @@ from pagedllm.server.protocol import (
 from pagedllm.server.request_extras import check_unknown_fields
 from pagedllm.server.responses_api import ResponsesServing
 from pagedllm.server.responses_api import router as responses_router
+from pagedllm.server.routes_lora import lora_model_cards, resolve_model, router as lora_router
 from pagedllm.server.routes_utility import router as utility_router
 from pagedllm.server.tenants import request_tenant, tenant_cache_salt
 from pagedllm.server.stats_logger import DEFAULT_INTERVAL_S, stats_lifespan
@@ -94,9 +95,8 @@ class OpenAIServing:
                            .split("[")[0], code="invalid_text")
 
     def check_model(self, body: SamplingRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        """404 naming a ``model`` that is neither the base model nor a served LoRA adapter."""
+        resolve_model(self, body.model)
 
     async def admit(self, body: SamplingRequest, tokenize: Callable[[AsyncEngine], list[list[int]]],
                     max_tokens: int | None, logprobs: int | None, structured: StructuredOutputsParams | None = None,
@@ -163,18 +163,21 @@ class OpenAIServing:
     async def run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
                   body: SamplingRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run each prompt as its own engine request; yield (prompt index, cumulative output) as they come.
-        ``body`` gives the cache salt (nested in the caller's tenant's) and priority; a client's own request_id may repeat, so the engine's ids
+        ``body`` gives the cache salt (nested in the caller's tenant's), priority and ``model`` (the base
+        model's name or a served LoRA adapter's); a client's own request_id may repeat, so the engine's ids
         then get a unique suffix.
 
-        Leaving early (the client went away, or the consumer was cancelled) cancels the pumps, and
-        each pump's ``AsyncEngine.generate`` aborts its request, freeing the blocks.
+        ``model``: the base model's name or a served LoRA adapter's. Leaving early (the client went away, or
+        the consumer was cancelled) cancels the pumps, and each pump's ``AsyncEngine.generate`` aborts its
+        request, freeing the blocks.
         """
         q: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        lora = resolve_model(self, model)
 
         async def pump(i: int, ids: list[int]) -> None:
             last = None
             try:
-                async for out in self.engine.generate(ids, params, f"{engine_id}-{i}", salt, body.priority):
+                async for out in self.engine.generate(ids, params, f"{engine_id}-{i}", salt, body.priority, lora):
                     now = time.monotonic()
                     if last is not None:
                         self.metrics.observe_inter_token(now - last)
@@ -189,6 +192,7 @@ class OpenAIServing:
             log.info("request %s: %s prompt tokens, %s", request_id, [len(p) for p in prompts], params)
         engine_id = request_id if body.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
         salt = tenant_cache_salt(request_tenant(request), body.cache_salt)  # tenants never share a prefix
+        lora = resolve_model(self, body.model)  # the base model (None) or the adapter the model name serves
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         unfinished = len(tasks)
         next_poll = time.monotonic() + DISCONNECT_POLL_S
@@ -478,7 +482,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     s = _serving(request)
-    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.engine.max_model_len)])
+    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.engine.max_model_len), *lora_model_cards(s)])
 
 
 @router.get("/health")
@@ -566,6 +570,7 @@ def create_app(engine: AsyncEngine, api_key: str | None = None, served_model_nam
     app.include_router(router)
     app.include_router(utility_router)
     app.include_router(responses_router)
+    app.include_router(lora_router)
     try:
         from pagedllm.server.dashboard import router as dashboard_router
     except ModuleNotFoundError as e:  # the dashboard is optional; anything else wrong in it should surface

@@ -26,6 +26,7 @@ class StepInputs:
     meta: AttentionMetadata
     order: list[int]  # order[k] = index into SchedulerOutput.scheduled of the k-th sequence in the batch
     rows: torch.Tensor  # [B] batch rows, in the scheduled (not attention) order
+    lora_ids: torch.Tensor | None = None  # [T] each token's adapter id (0: base); None when no row has one
 
 
 class InputBatch:
@@ -50,6 +51,7 @@ class InputBatch:
         self.num_prompt = torch.zeros(n, dtype=torch.int64)
         self.num_blocks = torch.zeros(n, dtype=torch.int64)
         self.sample_index = torch.zeros(n, dtype=torch.int64)
+        self.lora_id = torch.zeros(n, dtype=torch.int64)  # issue 32: each row's adapter (0: base)
         self._grow(initial_rows)
 
     # ---------------------------------------------------------------- rows
@@ -63,7 +65,7 @@ class InputBatch:
             out[:old] = t
             return out
 
-        for name in ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks", "sample_index"):
+        for name in ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks", "sample_index", "lora_id"):
             setattr(self, name, widen(getattr(self, name)))
         self.params += [None] * (new - old)
         self.generators += [None] * (new - old)
@@ -91,6 +93,7 @@ class InputBatch:
         self.num_prompt[row] = new.num_prompt_tokens
         self.num_blocks[row] = 0
         self.sample_index[row] = new.sample_index
+        self.lora_id[row] = 0 if new.lora is None else new.lora.lora_int_id
         self.params[row] = new.params
         if not resync:
             self.generators[row] = make_generator(new.params, new.sample_index)
@@ -99,7 +102,7 @@ class InputBatch:
         """The child's row starts as a copy of the parent's (tokens, table, settings)."""
         src = self.row_of[parent]
         row = self._take_row(child)
-        for t in (self.token_ids, self.block_table, self.num_tokens, self.num_prompt, self.num_blocks):
+        for t in (self.token_ids, self.block_table, self.num_tokens, self.num_prompt, self.num_blocks, self.lora_id):
             t[row] = t[src]
         self.sample_index[row] = sample_index
         self.params[row] = self.params[src]
@@ -152,11 +155,13 @@ class InputBatch:
         width = max(1, int(self.num_blocks[row_t].max()))
         tables = self.block_table[row_t, :width]
         meta = AttentionMetadata.from_tensors(positions, seq_of_token, q, seq_lens, tables, self.block_size)
+        row_lora = self.lora_id[row_t]
+        lora_ids = row_lora[seq_of_token] if bool(row_lora.any()) else None
         dev = self.device
         if dev.type != "cpu":
             input_ids = input_ids.to(dev, non_blocking=True)
             meta = meta.to(dev)
-        return StepInputs(input_ids, meta, order, torch.tensor(rows, dtype=torch.int64))
+        return StepInputs(input_ids, meta, order, torch.tensor(rows, dtype=torch.int64), lora_ids)
 
 
 def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:

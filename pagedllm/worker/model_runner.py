@@ -10,6 +10,7 @@ import logging
 import torch
 
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.forward_pass import ForwardPass
 from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
 from pagedllm.structured.state import apply_bitmask
@@ -23,12 +24,13 @@ log = logging.getLogger("pagedllm.worker")
 
 class ModelRunner:
     def __init__(self, forward_pass: ForwardPass, batch: InputBatch, sampler: Sampler,
-                 graphs: DecodeGraphs | None) -> None:
+                 graphs: DecodeGraphs | None, lora: LoRAManager | None = None) -> None:
         self.forward_pass = forward_pass
         self.kv_cache: KVCache = forward_pass.kv_cache
         self.batch = batch
         self.sampler = sampler
         self.graphs = graphs
+        self.lora = lora  # issue 32: the adapters' slots (None: LoRA off)
         self._pending_generators: dict[tuple[int, int], torch.Generator | None] = {}
 
     @torch.inference_mode()
@@ -46,6 +48,8 @@ class ModelRunner:
             self._pending_generators = {k: g for k, g in self._pending_generators.items() if k[0] not in gone}
         for new in so.new_seqs:
             batch.add(new)
+            if new.lora is not None:
+                self._lora_manager().register(new.lora)
         rows = [batch.apply(s) for s in so.scheduled]
         if so.swap_out:
             self.kv_cache.swap_out(so.swap_out)
@@ -56,9 +60,18 @@ class ModelRunner:
         if not so.scheduled:
             return ModelRunnerOutput()
         inp = batch.prepare(so.scheduled, rows)
-        forward = self.forward_pass.forward if self.graphs is None else self.graphs.forward
-        hidden = forward(inp.input_ids, inp.meta)
+        lora = None if inp.lora_ids is None else self._lora_manager().step(inp.lora_ids)
+        if lora is not None:  # adapters run eagerly (graphs hold the base model's path)
+            hidden = self.forward_pass.forward(inp.input_ids, inp.meta, lora)
+        else:
+            forward = self.forward_pass.forward if self.graphs is None else self.graphs.forward
+            hidden = forward(inp.input_ids, inp.meta)
         return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("a sequence asks for a LoRA adapter but this engine was started without enable_lora")
+        return self.lora
 
     def _outputs(self, so: SchedulerOutput, rows: list[int], order: list[int], qsl: list[int],
                  hidden: torch.Tensor) -> ModelRunnerOutput:

@@ -14,6 +14,9 @@ from pagedllm.config.device import DeviceConfig
 from pagedllm.protocol.kv_spec import KVCacheSpec
 from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.lora.adapter import LoRAShapes
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.slots import LoRASlots
 from pagedllm.models.forward_pass import ForwardPass
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
@@ -65,6 +68,16 @@ class Worker:
             num_blocks = KVCache.num_blocks_for_budget(args.kv_cache_memory, *dims)
         else:
             num_blocks = KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
+        lora = None
+        if args.enable_lora:  # the adapters' slots come out of the KV cache's budget (whole blocks of it)
+            if tp is not None:
+                raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
+            shapes = LoRAShapes.of(cfg)
+            lora_bytes = LoRASlots.bytes_for(shapes, args.max_loras, args.max_lora_rank, model.act_dtype)
+            if args.num_blocks is None:
+                num_blocks -= -(-lora_bytes // KVCache.bytes_per_block(*dims))
+            lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, args.max_cpu_loras, model.act_dtype,
+                               self.device)
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
         num_host_blocks = KVCache.num_blocks_for_budget(args.swap_space, *dims) if args.swap_space else 0
@@ -79,7 +92,7 @@ class Worker:
         if graphs is not None:
             num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
         self.model_runner = ModelRunner(self.forward_pass, InputBatch(max_model_len, args.block_size, cfg.vocab_size,
-                                                                      self.device), Sampler(eos), graphs)
+                                                                      self.device), Sampler(eos), graphs, lora)
         self.spec = KVCacheSpec(num_blocks, num_host_blocks, args.block_size, max_model_len, cfg.vocab_size, eos,
                                 args.model or "SmolLM2-135M-Instruct", model.quantization, str(dtype).split(".")[-1],
                                 str(kv_dtype).split(".")[-1], backend, str(self.device), self.kv_cache.describe())

@@ -24,7 +24,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("executor",),
     ("worker",),
     ("spec_decode",),
-    ("models",),
+    ("models", "lora"),
     ("distributed", "attention"),
     ("ops", "kv"),
     ("protocol", "config"),
