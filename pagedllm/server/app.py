@@ -167,12 +167,10 @@ class OpenAIServing:
         model's name or a served LoRA adapter's); a client's own request_id may repeat, so the engine's ids
         then get a unique suffix.
 
-        ``model``: the base model's name or a served LoRA adapter's. Leaving early (the client went away, or
-        the consumer was cancelled) cancels the pumps, and each pump's ``AsyncEngine.generate`` aborts its
-        request, freeing the blocks.
+        Leaving early (the client went away, or the consumer was cancelled) cancels the pumps, and each
+        pump's ``AsyncEngine.generate`` aborts its request, freeing the blocks.
         """
         q: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-        lora = resolve_model(self, model)
 
         async def pump(i: int, ids: list[int]) -> None:
             last = None
