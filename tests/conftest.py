@@ -13,6 +13,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Every device this machine has: a device-agnostic test takes it and runs once per device (cpu, and cuda
+    where torch sees a GPU); a test about the CPU pins ``device="cpu"`` instead."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """HF-format directory of the embedded SmolLM2-135M-Instruct (converted from its GGUF once,

@@ -17,7 +17,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.models.forward_pass import ForwardPass
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
-from pagedllm.worker import cuda_graphs
+from pagedllm.worker import cuda_graphs, device_check
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler
@@ -73,7 +73,8 @@ class Worker:
         self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
                                 dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
         backend = backend_for(self.device, args.attention_backend)
-        self.forward_pass = ForwardPass(model, self.kv_cache, get_backend(backend))
+        forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
+        self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
         max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
         if graphs is not None:
