@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.config.device import QUANTIZED_KV_DTYPES
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-QUANTIZED_DTYPES = (torch.int8, *FP8_DTYPES)
+QUANTIZED_DTYPES = QUANTIZED_KV_DTYPES
 INT8_MAX = 127.0
 
 

@@ -42,6 +42,8 @@ class Worker:
     def __init__(self, args: EngineArgs, tp=None) -> None:
         resolved = DeviceConfig.from_args(args)
         self.device, dtype, kv_dtype = resolved.device, resolved.dtype, resolved.kv_dtype
+        backend = backend_for(self.device, args.attention_backend)
+        resolved.check_backend(backend)  # before the weights load: a refused setting costs nothing
         ckpt = load_checkpoint(args.model)
         cfg = ckpt.config
         quantization = args.quantization if self.device.type == "cpu" else "none"  # block GEMMs are CPU kernels
@@ -72,7 +74,6 @@ class Worker:
             raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (bytes)")
         self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
                                 dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
-        backend = backend_for(self.device, args.attention_backend)
         forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
         self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
         max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
