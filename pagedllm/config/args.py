@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from pagedllm.config.args_help import ENGINE_FLAG_HELP, SIZE_FIELDS, parse_size
 
 @dataclass
@@ -19,8 +21,8 @@ class EngineArgs:
     kv_cache_fraction: float = 0.1
     num_blocks: int | None = None  # exact pool size (overrides the memory settings)
     swap_space: int = 0  # bytes of host tier for preemption by swap
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_seqs: int | None = None  # None: 256 on CUDA, 64 on the CPU (issue 30: GPU defaults that serve)
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 1024 on the CPU
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -38,6 +40,19 @@ class EngineArgs:
     ray_address: str | None = None  # an existing Ray cluster for the replicas; None: a local instance
     disaggregate: str | None = None  # "prefill=P,decode=D": prefill and decode on separate replicas
     seed: int = 0
+    # issue 29: GPU memory sizing (vLLM's name): the KV pool gets this fraction of the card's memory less the
+    # weights and the profiled peak of a forward at max_num_batched_tokens (CUDA; the CPU keeps kv_cache_fraction)
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        """Device-dependent defaults: a GPU serves 256 sequences and 8192-token steps without tuning."""
+        on_gpu = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256 if on_gpu else 64
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if on_gpu else 1024
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

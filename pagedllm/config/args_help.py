@@ -16,8 +16,9 @@ ENGINE_FLAG_HELP = {
     "kv_cache_fraction": "fraction of free memory for the KV pool when --kv-cache-memory is not given",
     "num_blocks": "exact number of KV blocks (overrides the memory settings)",
     "swap_space": "bytes of host memory for preemption by swap, units allowed (e.g. 2GiB); 0: none",
-    "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes together)",
+    "max_num_seqs": "most sequences in one batch (default: 256 on CUDA, 64 on the CPU)",
+    "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes together; default: 8192 "
+                              "on CUDA, 1024 on the CPU)",
     "max_model_len": "context limit in tokens (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps so decodes keep running",
@@ -40,6 +41,9 @@ ENGINE_FLAG_HELP = {
                                     "engine and the server, the others execute its steps)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(methods: ngram, suffix, draft_model with model or num_layers)",
+    "gpu_memory_utilization": "fraction of the GPU's memory this engine may use: the KV pool gets it less the weights "
+                              "and the peak of a profiled forward at --max-num-batched-tokens (CUDA only; "
+                              "--kv-cache-memory or --num-blocks override it)",
 }
 
 SIZE_FIELDS = ("kv_cache_memory", "swap_space")

@@ -5,6 +5,7 @@ model runner (``worker/model_runner.py``), which executes it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -14,10 +15,10 @@ from pagedllm.config.device import DeviceConfig
 from pagedllm.protocol.kv_spec import KVCacheSpec
 from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.models.forward_pass import ForwardPass
+from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
-from pagedllm.worker import cuda_graphs, device_check
+from pagedllm.worker import cuda_graphs, device_check, memory_profile
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler
@@ -61,10 +62,15 @@ class Worker:
             eos.append(tok_eos)
         del ckpt
         dims = (cfg.num_layers, num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
+        max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
         if args.num_blocks is not None:
             num_blocks = args.num_blocks
         elif args.kv_cache_memory is not None:
             num_blocks = KVCache.num_blocks_for_budget(args.kv_cache_memory, *dims)
+        elif (probe := memory_profile.probe_for(self.device)) is not None:
+            num_blocks = self._profiled_num_blocks(args, probe, lambda kv: forward_pass(model, kv, get_backend(backend)),
+                                                   dims, max_model_len)
         else:
             num_blocks = KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
         if num_blocks < 1:
@@ -74,9 +80,7 @@ class Worker:
             raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (bytes)")
         self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
                                 dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
-        forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
         self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
-        max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
         if graphs is not None:
             num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
@@ -89,6 +93,29 @@ class Worker:
     @property
     def model(self) -> LlamaForCausalLM:
         return self.forward_pass.model
+
+    def _profiled_num_blocks(self, args: EngineArgs, probe: memory_profile.MemoryProbe,
+                             make_runner: Callable[[KVCache], ForwardPass], dims: tuple, max_model_len: int) -> int:
+        """KV blocks that fit in ``gpu_memory_utilization`` of the device once the weights and the peak of a
+        forward over the largest step (on a scratch pool just big enough for it) are counted."""
+        prompts, need = memory_profile.profile_batch(args.max_num_batched_tokens, args.max_num_seqs, max_model_len,
+                                                     args.block_size)
+        num_layers, num_kv_heads, head_dim, block_size, kv_dtype = dims
+        runner = make_runner(KVCache(num_layers, num_kv_heads, head_dim, need, block_size, dtype=kv_dtype,
+                                     device=self.device))
+        chunks, first = [], 0
+        for p in prompts:
+            n = -(-len(p) // block_size)
+            chunks.append(SeqChunk(p, 0, list(range(first, first + n))))
+            first += n
+        scratch_bytes = need * KVCache.bytes_per_block(*dims)  # in the peak, but the real pool replaces it
+        budget = memory_profile.profile_kv_budget(probe, args.gpu_memory_utilization,
+                                                  lambda: runner.execute(chunks), scratch_bytes)
+        del runner
+        num_blocks = KVCache.num_blocks_for_budget(budget.kv_bytes, *dims)
+        log.info("GPU memory: %s: %d KV blocks, %d tokens", budget.describe(args.gpu_memory_utilization), num_blocks,
+                 num_blocks * block_size)
+        return num_blocks
 
     def _decode_graphs(self, args: EngineArgs, tp, kv_dtype: torch.dtype,
                        max_model_len: int) -> cuda_graphs.DecodeGraphs | None:
