@@ -176,9 +176,10 @@ class FlexBackend:
             n_qb = (qlens + qb - 1) // qb
             qb_seq = torch.repeat_interleave(seqs, n_qb)  # sequence of each Q block
             qb_first = torch.cumsum(n_qb, 0) - n_qb
-            qb_local = torch.arange(int(n_qb.sum()), device=dev) - torch.repeat_interleave(qb_first, n_qb)  # Q block # in chunk
+            # Q block # in chunk
+            qb_local = torch.arange(int(n_qb.sum()), device=dev) - torch.repeat_interleave(qb_first, n_qb)
             row_seq = torch.repeat_interleave(qb_seq, qb)
-            row_in_chunk = (torch.repeat_interleave(qb_local, qb) * qb + torch.arange(qb, device=dev).repeat(len(qb_seq)))
+            row_in_chunk = torch.repeat_interleave(qb_local, qb) * qb + torch.arange(qb, device=dev).repeat(len(qb_seq))
             qlen_row = qlens[row_seq - nd]
             real = row_in_chunk < qlen_row
             row_in_chunk_c = torch.minimum(row_in_chunk, qlen_row - 1)  # pad rows repeat the last query

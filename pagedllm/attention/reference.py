@@ -16,7 +16,8 @@ from pagedllm.kv.kv_quant import QuantizedKV
 def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """Physical slots of logical positions ``0 .. seq_len - 1`` through one block table row."""
     n_blocks = (seq_len + block_size - 1) // block_size
-    return (block_table[:n_blocks].long()[:, None] * block_size + torch.arange(block_size, device=block_table.device)).flatten()[:seq_len]
+    in_block = torch.arange(block_size, device=block_table.device)
+    return (block_table[:n_blocks].long()[:, None] * block_size + in_block).flatten()[:seq_len]
 
 
 def gather_sequence_kv(cache, block_table: torch.Tensor, seq_len: int, block_size: int,

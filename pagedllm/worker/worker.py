@@ -5,6 +5,7 @@ model runner (``worker/model_runner.py``), which executes it."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -69,8 +70,8 @@ class Worker:
         elif args.kv_cache_memory is not None:
             num_blocks = KVCache.num_blocks_for_budget(args.kv_cache_memory, *dims)
         elif (probe := memory_profile.probe_for(self.device)) is not None:
-            num_blocks = self._profiled_num_blocks(args, probe, lambda kv: forward_pass(model, kv, get_backend(backend)),
-                                                   dims, max_model_len)
+            runner = lambda kv: forward_pass(model, kv, get_backend(backend))  # noqa: E731 - on a scratch pool
+            num_blocks = self._profiled_num_blocks(args, probe, runner, dims, max_model_len)
         else:
             num_blocks = KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
         if num_blocks < 1:
@@ -134,7 +135,10 @@ class Worker:
             return None
         graphs = cuda_graphs.DecodeGraphs(self.forward_pass, args.max_num_seqs, max_model_len,
                                           scratch_block=self.kv_cache.num_blocks - 1, capture=capture)
+        t0 = time.perf_counter()
         graphs.capture_all()
+        log.info("decode graphs: %d batch sizes (up to %d) captured in %.1f s", len(graphs.sizes), graphs.sizes[-1],
+                 time.perf_counter() - t0)
         return graphs
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
