@@ -26,7 +26,11 @@ def device(request) -> str:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """HF-format directory of the embedded SmolLM2-135M-Instruct (converted from its GGUF once,
-    then cached): the oracle's path for ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``."""
+    then cached): the oracle's path for ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``.
+    ``PAGEDLLM_TEST_MODEL_DIR`` replaces it where the GGUF cannot travel: scripts/gpu_check.sh points it at a
+    random-weight model of SmolLM2's shape with its tokenizer, made on the GPU machine."""
+    if os.environ.get("PAGEDLLM_TEST_MODEL_DIR"):
+        return os.environ["PAGEDLLM_TEST_MODEL_DIR"]
     from pagedllm.models import load_checkpoint
 
     return load_checkpoint(None).path

@@ -5,7 +5,8 @@ The verdict follows the project's stated tolerances: fp32 weights with an fp32 p
 HF ("exact"); other dtypes and quantized pools must agree on at least 90% of the tokens, counted per prompt up
 to its first divergence ("close", the rule of tests/engine/test_kv_quant_engine.py). A combination the engine
 refuses at start by design (flex over a quantized pool, the C++ kernels on CUDA) is listed as refused; any other
-error fails. Prints one table (and writes it as JSON with ``--json``); exits 1 when a row fails.
+error fails. Prints a table, a row as each combination completes (a time-boxed run keeps what it finished), writes
+the rows as JSON with ``--json``, and exits 1 when a row fails.
 
 usage: python -m pagedllm.bench.gpu_oracle --model DIR [--device cuda] [--backends reference,flex,triton]
        [--dtypes float32,bfloat16,float16] [--kv-dtypes auto,float32,...] [--prompts 8] [--max-tokens 16]
@@ -90,7 +91,8 @@ def verdict(dtype: str, kv: str, share: float) -> str:
 
 
 def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_dtypes: list[str], n_prompts: int,
-        max_tokens: int) -> list[Row]:
+        max_tokens: int, on_row=lambda row: None) -> list[Row]:
+    """Every combination's row, each also handed to ``on_row`` as it completes (a time-boxed run keeps them)."""
     from transformers import AutoTokenizer
 
     from pagedllm.config.device import DTYPES
@@ -108,6 +110,7 @@ def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_
                     refused = isinstance(e, ValueError) and any(s in str(e) for s in EXPECTED_REFUSALS)
                     rows.append(Row(backend, dtype, kv, 0.0, 0, "refused" if refused else "FAIL",
                                     time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:200]))
+                    on_row(rows[-1])
                     continue
                 finally:
                     gc.collect()
@@ -115,15 +118,16 @@ def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_
                         torch.cuda.empty_cache()
                 share, first = agreement(ref, got)
                 rows.append(Row(backend, dtype, kv, share, first, verdict(dtype, kv, share), time.perf_counter() - t0))
+                on_row(rows[-1])
     return rows
 
 
-def table(rows: list[Row]) -> str:
-    lines = [f"{'backend':<10} {'dtype':<9} {'kv':<9} {'agree':>6} {'first':>5} {'verdict':<8} {'s':>6}  note"]
-    for r in rows:
-        lines.append(f"{r.backend:<10} {r.dtype:<9} {r.kv_dtype:<9} {r.agreement:>6.3f} {r.first_divergence:>5} "
-                     f"{r.verdict:<8} {r.seconds:>6.1f}  {r.note}")
-    return "\n".join(lines)
+HEADER = f"{'backend':<10} {'dtype':<9} {'kv':<9} {'agree':>6} {'first':>5} {'verdict':<8} {'s':>6}  note"
+
+
+def line(r: Row) -> str:
+    return (f"{r.backend:<10} {r.dtype:<9} {r.kv_dtype:<9} {r.agreement:>6.3f} {r.first_divergence:>5} "
+            f"{r.verdict:<8} {r.seconds:>6.1f}  {r.note}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
+    print(HEADER, flush=True)
     rows = run(a.model, a.device, a.backends.split(","), a.dtypes.split(","), a.kv_dtypes.split(","), a.prompts,
-               a.max_tokens)
-    print(table(rows), flush=True)
+               a.max_tokens, on_row=lambda r: print(line(r), flush=True))
     if a.json:
         with open(a.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
