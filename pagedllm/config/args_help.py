@@ -7,8 +7,8 @@ import re
 
 ENGINE_FLAG_HELP = {
     "model": "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
-    "dtype": "weights and activations dtype: auto (bf16 where the CPU has native bf16, else fp32), float32, "
-             "bfloat16, float16",
+    "dtype": "weights and activations dtype: auto (CUDA: bf16, fp16 before Ampere; CPU: bf16 where it is native, "
+             "else fp32), float32, bfloat16, float16",
     "kv_cache_dtype": "KV cache dtype (auto: same as --dtype)",
     "quantization": "auto, none, gguf (keep a GGUF's Q4_1/Q8_0 blocks, exact) or gguf-a8 (int8 activations, faster)",
     "block_size": "tokens per KV block",
