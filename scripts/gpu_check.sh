@@ -30,7 +30,7 @@ if (( DRY )); then
   SERVE_MODEL="$WORK/models/tiny"
 else
   DEVICE=cuda SHAPES=llama-1b,qwen2-bias,smollm2-shape PORT=8971
-  T_SETUP=30 T_MODELS=45 T_TESTS=170 T_ORACLE=120 T_ORACLE_BIG=45 T_SERVER=35 T_BENCH=30
+  T_SETUP=30 T_MODELS=45 T_TESTS=155 T_ORACLE=120 T_ORACLE_BIG=45 T_SERVER=50 T_BENCH=30
   TESTS=(tests/attention tests/worker tests/kv tests/spec_decode tests/engine -m "not slow")
   ORACLE=(--model "$WORK/models/qwen2-bias" --prompts 4 --max-tokens 12)
   SERVE_MODEL="$WORK/models/qwen2-bias"
@@ -92,10 +92,12 @@ fi
 
 # ---- the server on the device --------------------------------------------------------------------------------------
 part server "$T_SERVER" "
-  $PY -m pagedllm.entrypoints.cli serve $SERVE_MODEL --port $PORT --device $DEVICE --max-num-seqs 8 --served-model-name m &
+  setsid $PY -m pagedllm.entrypoints.cli serve $SERVE_MODEL --port $PORT --device $DEVICE --max-num-seqs 8 --served-model-name m &
   pid=\$!
-  trap 'rc=\$?; kill \$pid 2>/dev/null; wait \$pid 2>/dev/null; exit \$rc' EXIT
-  for i in \$(seq 120); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.5; done
+  # its own process group: the server ends its group on shutdown, which must not be this shell
+  trap 'rc=\$?; kill -- -\$pid 2>/dev/null; wait \$pid 2>/dev/null; exit \$rc' EXIT
+  trap 'exit 124' TERM  # the time box: still stop the server
+  until curl -sf localhost:$PORT/health >/dev/null; do sleep 0.5; done  # the part's time box bounds the wait
   set -e
   url=http://localhost:$PORT/v1
   curl -sf \$url/completions -H 'Content-Type: application/json' \

@@ -65,7 +65,8 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: 
 
 def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, backend: str, dtype: str, kv: str,
                   device: str) -> list[list[int]]:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.protocol.sampling_params import SamplingParams
 
     llm = LLM(model_dir, device=device, attention_backend=backend, dtype=dtype, kv_cache_dtype=kv,
               max_num_seqs=len(prompts), max_num_batched_tokens=2048, kv_cache_memory=1 << 30)
