@@ -94,8 +94,8 @@ fi
 part server "$T_SERVER" "
   setsid $PY -m pagedllm.entrypoints.cli serve $SERVE_MODEL --port $PORT --device $DEVICE --max-num-seqs 8 --served-model-name m &
   pid=\$!
-  # its own process group: the server ends its group on shutdown, which must not be this shell
-  trap 'rc=\$?; kill -- -\$pid 2>/dev/null; wait \$pid 2>/dev/null; exit \$rc' EXIT
+  # stopped as Ctrl+C stops it: after a SIGTERM to the server this shell was found killed too (rc 143)
+  trap 'rc=\$?; kill -INT \$pid 2>/dev/null; wait \$pid 2>/dev/null; exit \$rc' EXIT
   trap 'exit 124' TERM  # the time box: still stop the server
   until curl -sf localhost:$PORT/health >/dev/null; do sleep 0.5; done  # the part's time box bounds the wait
   set -e
