@@ -113,6 +113,7 @@ class Worker:
         budget = memory_profile.profile_kv_budget(probe, args.gpu_memory_utilization,
                                                   lambda: runner.execute(chunks), scratch_bytes)
         del runner
+        probe.empty_cache()  # the scratch pool's memory goes back before the real pool is allocated
         num_blocks = KVCache.num_blocks_for_budget(budget.kv_bytes, *dims)
         log.info("GPU memory: %s: %d KV blocks, %d tokens", budget.describe(args.gpu_memory_utilization), num_blocks,
                  num_blocks * block_size)
