@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.config.args_help import ENGINE_FLAG_HELP, SIZE_FIELDS, parse_size
 
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct

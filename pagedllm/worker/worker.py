@@ -4,6 +4,7 @@ model runner (``worker/model_runner.py``), which executes it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -70,7 +71,7 @@ class Worker:
         elif args.kv_cache_memory is not None:
             num_blocks = KVCache.num_blocks_for_budget(args.kv_cache_memory, *dims)
         elif (probe := memory_profile.probe_for(self.device)) is not None:
-            runner = lambda kv: forward_pass(model, kv, get_backend(backend))  # noqa: E731 - on a scratch pool
+            runner = lambda kv: forward_pass(model, kv, get_backend(backend))  # on a scratch pool
             num_blocks = self._profiled_num_blocks(args, probe, runner, dims, max_model_len)
         else:
             num_blocks = KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
@@ -111,7 +112,7 @@ class Worker:
             first += n
         scratch_bytes = need * KVCache.bytes_per_block(*dims)  # in the peak, but the real pool replaces it
         budget = memory_profile.profile_kv_budget(probe, args.gpu_memory_utilization,
-                                                  lambda: runner.execute(chunks), scratch_bytes)
+                                                  functools.partial(runner.execute, chunks), scratch_bytes)
         del runner
         probe.empty_cache()  # the scratch pool's memory goes back before the real pool is allocated
         num_blocks = KVCache.num_blocks_for_budget(budget.kv_bytes, *dims)

@@ -87,7 +87,7 @@ def _old_sequence_slots(block_table, seq_len, block_size):  # main before issue 
 
 def _with_old_flex_mask(real):
     def kv_blocks_for_rows(tables, n_logical, m, e):
-        torch.arange(max(int(n_logical.max()), 1))[None, :] < n_logical[:, None]  # main's first line
+        _valid = torch.arange(max(int(n_logical.max()), 1))[None, :] < n_logical[:, None]  # main's first line
         return real(tables, n_logical, m, e)
 
     return kv_blocks_for_rows
