@@ -13,10 +13,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Every device this machine has: a device-agnostic test takes it and runs once per device (cpu, and cuda
+    where torch sees a GPU); a test about the CPU pins ``device="cpu"`` instead."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """HF-format directory of the embedded SmolLM2-135M-Instruct (converted from its GGUF once,
-    then cached): the oracle's path for ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``."""
+    then cached): the oracle's path for ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``.
+    ``PAGEDLLM_TEST_MODEL_DIR`` replaces it where the GGUF cannot travel: scripts/gpu_check.sh points it at a
+    random-weight model of SmolLM2's shape with its tokenizer, made on the GPU machine."""
+    if os.environ.get("PAGEDLLM_TEST_MODEL_DIR"):
+        return os.environ["PAGEDLLM_TEST_MODEL_DIR"]
     from pagedllm.models import load_checkpoint
 
     return load_checkpoint(None).path

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.reference import gather_sequence_kv
+from pagedllm.attention.reference import causal_mask, gather_sequence_kv
 from pagedllm.kv.kv_quant import QuantizedKV
 
 
@@ -59,7 +59,7 @@ class CpuBackend:
         torch.ops.pagedllm.write_kv.default(k, v, kd, vd, meta.slot_mapping, block_size=meta.block_size, **scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty_like(q)
         n = meta.num_seqs
         split = n
         if self.sdpa_prefill_min_len is not None:
@@ -104,7 +104,7 @@ class CpuBackend:
             if q_len == s_len:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=group > 1)
             else:
-                mask = torch.arange(s_len)[None, :] <= torch.arange(s_len - q_len, s_len)[:, None]
+                mask = causal_mask(q_len, s_len, q.device)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=group > 1)
             out[starts[i] : starts[i] + q_len] = oi.transpose(0, 1)
 

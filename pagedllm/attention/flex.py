@@ -119,12 +119,12 @@ def _flex_geometry(block_size: int, kv_block: int) -> tuple[int, int, int]:
 
 def _kv_blocks_for_rows(tables, n_logical, m, e):
     """Per Q block: the flex KV blocks covering ``tables[r, :n_logical[r]]`` (sorted, unique)."""
-    rows = tables.shape[0]
+    rows, dev = tables.shape[0], tables.device
     width = max(int(n_logical.max()) if rows else 0, 1)
-    valid = torch.arange(width)[None, :] < n_logical[:, None]
+    valid = torch.arange(width, device=dev)[None, :] < n_logical[:, None]
     pool_ids = tables[:, :width].long()
     if e > 1:  # each pool block spans e flex blocks
-        pool_ids = (pool_ids[:, :, None] * e + torch.arange(e)).reshape(rows, width * e)
+        pool_ids = (pool_ids[:, :, None] * e + torch.arange(e, device=dev)).reshape(rows, width * e)
         valid = valid[:, :, None].expand(rows, width, e).reshape(rows, width * e)
     if m == 1:
         kv_num = valid.sum(1).to(torch.int32)
@@ -154,7 +154,7 @@ class FlexBackend:
     # ---- per-step structures -------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> None:
         t0 = time.perf_counter()
-        bs = meta.block_size
+        bs, dev = meta.block_size, meta.positions.device
         _, m, e = _flex_geometry(bs, self.min_kv_block)
         tables = meta.block_tables
         seq_lens = meta.seq_lens.long()
@@ -166,19 +166,20 @@ class FlexBackend:
             # one Q block per decode: its `group` query heads folded into the Q dim (see forward)
             rows_per = self._decode_rows(meta)
             kv_num, kv_idx = _kv_blocks_for_rows(tables[:nd], n_seq_blocks[:nd], m, e)
-            row_seq = torch.repeat_interleave(torch.arange(nd, dtype=torch.int32), rows_per)
+            row_seq = torch.repeat_interleave(torch.arange(nd, dtype=torch.int32, device=dev), rows_per)
             pos = torch.repeat_interleave(meta.positions[:nd].to(torch.int32), rows_per)
             parts.append(_Part(None, None, 0, nd, None, (kv_num, kv_idx, row_seq, pos, rows_per)))
         if nd < meta.num_seqs:
             qb = self.prefill_q_block
-            qlens = torch.tensor(meta.query_lens_list[nd:], dtype=torch.int64)
-            seqs = torch.arange(nd, meta.num_seqs)
+            qlens = torch.tensor(meta.query_lens_list[nd:], dtype=torch.int64, device=dev)
+            seqs = torch.arange(nd, meta.num_seqs, device=dev)
             n_qb = (qlens + qb - 1) // qb
             qb_seq = torch.repeat_interleave(seqs, n_qb)  # sequence of each Q block
             qb_first = torch.cumsum(n_qb, 0) - n_qb
-            qb_local = torch.arange(int(n_qb.sum())) - torch.repeat_interleave(qb_first, n_qb)  # Q block # in chunk
+            # Q block # in chunk
+            qb_local = torch.arange(int(n_qb.sum()), device=dev) - torch.repeat_interleave(qb_first, n_qb)
             row_seq = torch.repeat_interleave(qb_seq, qb)
-            row_in_chunk = (torch.repeat_interleave(qb_local, qb) * qb + torch.arange(qb).repeat(len(qb_seq)))
+            row_in_chunk = torch.repeat_interleave(qb_local, qb) * qb + torch.arange(qb, device=dev).repeat(len(qb_seq))
             qlen_row = qlens[row_seq - nd]
             real = row_in_chunk < qlen_row
             row_in_chunk_c = torch.minimum(row_in_chunk, qlen_row - 1)  # pad rows repeat the last query
@@ -208,29 +209,29 @@ class FlexBackend:
 
     def _finish(self, state: _StepState, meta: AttentionMetadata, num_slots: int) -> None:
         """Size-dependent part: phys->logical map over the pool and the BlockMasks."""
-        bs = meta.block_size
+        bs, dev = meta.block_size, meta.positions.device
         kv_bs, m, e = _flex_geometry(bs, self.min_kv_block)
         n_flex = -(-num_slots // kv_bs)
         B = meta.num_seqs
         seq_lens = meta.seq_lens.long()
         n_seq_blocks = (seq_lens + bs - 1) // bs
         width = meta.block_tables.shape[1]
-        valid = torch.arange(width)[None, :] < n_seq_blocks[:, None]
+        valid = torch.arange(width, device=dev)[None, :] < n_seq_blocks[:, None]
         # map granularity: min(block_size, 16) slots, so all block sizes >= 16 share one kernel
         gran = min(bs, self.min_kv_block) if bs % min(bs, self.min_kv_block) == 0 else bs
         per = bs // gran  # map entries per pool block
-        p2l = torch.full((B, -(-n_flex * kv_bs // gran)), -1, dtype=torch.int32)
-        b_idx = torch.arange(B)[:, None].expand(B, width)[valid]
+        p2l = torch.full((B, -(-n_flex * kv_bs // gran)), -1, dtype=torch.int32, device=dev)
+        b_idx = torch.arange(B, device=dev)[:, None].expand(B, width)[valid]
         phys = meta.block_tables.long()[valid]
-        logical = torch.arange(width)[None, :].expand(B, width)[valid]
-        sub = torch.arange(per)
+        logical = torch.arange(width, device=dev)[None, :].expand(B, width)[valid]
+        sub = torch.arange(per, device=dev)
         p2l[b_idx[:, None], phys[:, None] * per + sub] = (logical[:, None] * per + sub).to(torch.int32)
         state.phys_to_logical = p2l
         state.gran = gran
         for part in state.parts:
             kv_num, kv_idx, row_seq, pos, q_bs = part.tensors
             n_qb = kv_num.shape[0]
-            full_idx = torch.zeros((1, 1, n_qb, n_flex), dtype=torch.int32)
+            full_idx = torch.zeros((1, 1, n_qb, n_flex), dtype=torch.int32, device=dev)
             w = min(kv_idx.shape[1], n_flex)
             full_idx[0, 0, :, :w] = kv_idx[:, :w]
             mask_mod = _make_mask_mod(p2l, row_seq, pos, gran)
@@ -278,7 +279,7 @@ class FlexBackend:
         kd = k_cache.dtype
         K = k_cache.unsqueeze(0)
         V = v_cache.unsqueeze(0)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = q.new_empty(q.shape)
         H, D = q.shape[1], q.shape[2]
         Hkv = k_cache.shape[0]
         group = H // Hkv

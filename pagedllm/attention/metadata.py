@@ -96,7 +96,7 @@ class AttentionMetadata:
             if n != 1:
                 break
             num_decodes += 1
-        qsl = torch.zeros(len(query_lens_list) + 1, dtype=torch.int32)
+        qsl = query_lens.new_zeros(len(query_lens_list) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(query_lens, 0)
         return cls(
             positions=positions,

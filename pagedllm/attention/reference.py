@@ -16,7 +16,8 @@ from pagedllm.kv.kv_quant import QuantizedKV
 def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """Physical slots of logical positions ``0 .. seq_len - 1`` through one block table row."""
     n_blocks = (seq_len + block_size - 1) // block_size
-    return (block_table[:n_blocks].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+    in_block = torch.arange(block_size, device=block_table.device)
+    return (block_table[:n_blocks].long()[:, None] * block_size + in_block).flatten()[:seq_len]
 
 
 def gather_sequence_kv(cache, block_table: torch.Tensor, seq_len: int, block_size: int,
@@ -26,6 +27,12 @@ def gather_sequence_kv(cache, block_table: torch.Tensor, seq_len: int, block_siz
     if isinstance(cache, QuantizedKV):
         return cache.rows(slots, dtype)
     return cache.index_select(1, slots).to(dtype)
+
+
+def causal_mask(q_len: int, s_len: int, device: torch.device) -> torch.Tensor:
+    """``[q_len, s_len]``: query j sits at position ``s_len - q_len + j`` and sees keys 0..that position."""
+    q_pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]
+    return torch.arange(s_len, device=device)[None, :] <= q_pos
 
 
 class ReferenceBackend:
@@ -46,9 +53,7 @@ class ReferenceBackend:
             vi = gather_sequence_kv(v_cache, meta.block_tables[i], s_len, meta.block_size, q.dtype)
             ki = ki.repeat_interleave(group, dim=0)
             vi = vi.repeat_interleave(group, dim=0)
-            # query j sits at position s_len - q_len + j and sees keys 0..that position
-            q_pos = torch.arange(s_len - q_len, s_len)[:, None]
-            mask = torch.arange(s_len)[None, :] <= q_pos
+            mask = causal_mask(q_len, s_len, q.device)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
             out[starts[i] : starts[i] + q_len] = oi.transpose(0, 1)
         return out

@@ -31,7 +31,8 @@ if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
 
     from pagedllm.attention.triton_common import attend_range, load_group_queries
 
-    @triton.jit
+    # the block table's width changes from step to step: no variant compiled for a width of 1 or 16k
+    @triton.jit(do_not_specialize=["sbt"])
     def _paged_decode_kernel(
         Q, K, V, O, BT, SL, KS, VS,
         sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sbt, sks0, sks1, svs0, svs1,

@@ -21,7 +21,8 @@ if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
 
     from pagedllm.attention.triton_common import attend_range
 
-    @triton.jit
+    # the table's width and the first chunk's index change from step to step: no variant for a 1 or a 16k
+    @triton.jit(do_not_specialize=["sbt", "first_seq"])
     def _paged_prefill_kernel(
         Q, K, V, O, BT, QSL, SL, KS, VS,
         sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sbt, sks0, sks1, svs0, svs1,

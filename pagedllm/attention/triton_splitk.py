@@ -30,7 +30,8 @@ if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
 
     from pagedllm.attention.triton_common import attend_range, load_group_queries
 
-    @triton.jit
+    # the table's width and the partials' strides (the split count) change from step to step: no variant for 1 or 16k
+    @triton.jit(do_not_specialize=["sbt", "spo0", "spo1", "spl0", "spl1"])
     def _splitk_decode_kernel(
         Q, K, V, PO, PL, BT, SL, KS, VS,
         sq0, sq1, sk0, sk1, sv0, sv1, sbt, sks0, sks1, svs0, svs1,

@@ -54,7 +54,8 @@ def _engine_overrides(items: list[str]) -> dict:
         default = fields[k].default
         if isinstance(default, bool):
             out[k] = v.lower() in ("1", "true", "yes", "on")
-        elif isinstance(default, int) or k in ("num_blocks", "kv_cache_memory", "max_model_len"):
+        elif isinstance(default, int) or k in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
+                                              "max_num_batched_tokens"):
             out[k] = int(float(v))
         elif isinstance(default, float):
             out[k] = float(v)

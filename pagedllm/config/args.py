@@ -6,7 +6,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from pagedllm.config.args_help import ENGINE_FLAG_HELP, GIB_FIELDS, SIZE_FIELDS, parse_gib_size, parse_size
+
 
 @dataclass
 class EngineArgs:
@@ -19,8 +22,8 @@ class EngineArgs:
     kv_cache_fraction: float = 0.1
     num_blocks: int | None = None  # exact pool size (overrides the memory settings)
     swap_space: int = 0  # bytes of host tier for preemption by swap
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_seqs: int | None = None  # None: 256 on CUDA, 64 on the CPU (issue 30: GPU defaults that serve)
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 1024 on the CPU
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -46,6 +49,19 @@ class EngineArgs:
     max_loras: int = 4  # adapter slots on the device: a step serves at most this many adapters
     max_lora_rank: int = 16  # adapters of a higher rank are refused at load
     max_cpu_loras: int | None = None  # loaded adapters kept in host memory (LRU); None: max_loras
+    # issue 29: GPU memory sizing (vLLM's name): the KV pool gets this fraction of the card's memory less the
+    # weights and the profiled peak of a forward at max_num_batched_tokens (CUDA; the CPU keeps kv_cache_fraction)
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        """Device-dependent defaults: a GPU serves 256 sequences and 8192-token steps without tuning."""
+        on_gpu = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256 if on_gpu else 64
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if on_gpu else 1024
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

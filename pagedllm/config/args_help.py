@@ -7,8 +7,8 @@ import re
 
 ENGINE_FLAG_HELP = {
     "model": "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
-    "dtype": "weights and activations dtype: auto (bf16 where the CPU has native bf16, else fp32), float32, "
-             "bfloat16, float16",
+    "dtype": "weights and activations dtype: auto (CUDA: bf16, fp16 before Ampere; CPU: bf16 where it is native, "
+             "else fp32), float32, bfloat16, float16",
     "kv_cache_dtype": "KV cache dtype (auto: same as --dtype)",
     "quantization": "auto, none, gguf (keep a GGUF's Q4_1/Q8_0 blocks, exact) or gguf-a8 (int8 activations, faster)",
     "block_size": "tokens per KV block",
@@ -17,8 +17,9 @@ ENGINE_FLAG_HELP = {
     "num_blocks": "exact number of KV blocks (overrides the memory settings)",
     "swap_space": "host memory for preemption by swap: a plain number is GiB, as in vLLM (4 = 4GiB); other units "
                   "allowed (512MB); 0: none",
-    "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes together)",
+    "max_num_seqs": "most sequences in one batch (default: 256 on CUDA, 64 on the CPU)",
+    "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes together; default: 8192 "
+                              "on CUDA, 1024 on the CPU)",
     "max_model_len": "context limit in tokens (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps so decodes keep running",
@@ -52,6 +53,9 @@ ENGINE_FLAG_HELP = {
                  "this many adapters",
     "max_lora_rank": "the highest adapter rank accepted; higher ones are refused at load",
     "max_cpu_loras": "loaded adapters kept in host memory, least recently used dropped first (default: max_loras)",
+    "gpu_memory_utilization": "fraction of the GPU's memory this engine may use: the KV pool gets it less the weights "
+                              "and the peak of a profiled forward at --max-num-batched-tokens (CUDA only; "
+                              "--kv-cache-memory or --num-blocks override it)",
 }
 
 SIZE_FIELDS = ("kv_cache_memory", "swap_space")

@@ -3,6 +3,7 @@ settings in one place (the worker, the KV cache and the benches all ask here).""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,9 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -49,12 +53,19 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def cuda_has_bf16(device: torch.device) -> bool:
+    """bf16 arithmetic on this CUDA device: compute capability 8.0 (Ampere) or later."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """``auto``: bf16 where it is fast (a CUDA device, or a CPU with AVX512-BF16/AMX), else fp32."""
+    """``auto``: bf16 where it is fast (a CUDA device from Ampere on, or a CPU with AVX512-BF16/AMX), fp16 on an
+    older CUDA device, else fp32."""
+    device = torch.device(device)
     if name == "auto":
-        if torch.device(device).type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if cuda_has_bf16(device) else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -81,7 +92,36 @@ class DeviceConfig:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> DeviceConfig:
+        """ValueError naming what to use instead when the device cannot run the dtype or the KV dtype."""
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(args.kv_cache_dtype)
-        return cls(device, dtype, kv_dtype)
+        resolved = cls(device, dtype, kv_dtype)
+        if device.type == "cuda" and torch.bfloat16 in (dtype, kv_dtype) and not cuda_has_bf16(device):
+            raise ValueError(f"{device} ({torch.cuda.get_device_name(device)}) has no bfloat16 arithmetic (it needs "
+                             f"compute capability 8.0); use dtype float16 or float32{resolved._kv_hint()}")
+        if args.attention_backend != "auto":
+            resolved.check_backend(args.attention_backend)
+        return resolved
+
+    def _kv_hint(self) -> str:
+        return " (and kv_cache_dtype auto, float16 or int8)" if self.kv_dtype == torch.bfloat16 else ""
+
+    def check_backend(self, backend: str) -> None:
+        """ValueError naming what to use instead when attention ``backend`` cannot run on this device with this
+        KV storage dtype: the C++ kernels run on the CPU and read float32 / bfloat16 / int8 / fp8 pools, Triton
+        needs CUDA (or its interpreter, in tests), flex reads float pools only."""
+        kv = str(self.kv_dtype).removeprefix("torch.")
+        if backend == "cpu" and self.device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs C++ CPU kernels, not on {self.device}; use 'triton' or "
+                             "'flex' (or auto)")
+        if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend 'triton' needs a CUDA device; on the CPU use 'cpu' (or auto)")
+        if backend == "cpu" and self.kv_dtype == torch.float16:
+            raise ValueError(f"kv_cache_dtype {kv} (dtype float16 stores a float16 pool unless kv_cache_dtype says "
+                             "otherwise): the CPU kernels read float32, bfloat16, int8 or fp8 pools; use dtype "
+                             "bfloat16 or float32, or kv_cache_dtype bfloat16, or attention_backend 'reference'")
+        if backend == "flex" and self.kv_dtype in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv}: the flex backend reads float pools only (flex attention cannot "
+                             "dequantize V as it loads it); use attention_backend 'cpu' or 'triton' (or auto), or "
+                             "'reference'")

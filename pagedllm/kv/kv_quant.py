@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.config.device import QUANTIZED_KV_DTYPES
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-QUANTIZED_DTYPES = (torch.int8, *FP8_DTYPES)
+QUANTIZED_DTYPES = QUANTIZED_KV_DTYPES
 INT8_MAX = 127.0
 
 
@@ -96,15 +98,16 @@ def write_int8(x: torch.Tensor, cache: QuantizedKV, slot_mapping: torch.Tensor) 
     x = x.to(torch.float32).transpose(0, 1)  # [Hkv, T, D]
     run, blocks, off0 = _runs(slot_mapping, bs)
     amax = x.abs().amax(-1)  # [Hkv, T]
-    run_max = torch.zeros(x.shape[0], len(blocks)).scatter_reduce_(1, run.expand_as(amax), amax, "amax")
-    old = torch.where(off0 > 0, cache.scale[:, blocks], torch.zeros(()))  # [Hkv, runs]
+    run_max = amax.new_zeros(x.shape[0], len(blocks)).scatter_reduce_(1, run.expand_as(amax), amax, "amax")
+    old = torch.where(off0 > 0, cache.scale[:, blocks], 0.0)  # [Hkv, runs]
     new = torch.maximum(old, run_max / INT8_MAX)
     grew = torch.nonzero(((new > old) & (off0 > 0)).any(0)).squeeze(1)
     if len(grew):  # re-round the earlier rows of blocks whose scale grew
-        slots = (blocks[grew, None] * bs + torch.arange(bs)).flatten()
+        in_block = torch.arange(bs, device=x.device)
+        slots = (blocks[grew, None] * bs + in_block).flatten()
         ratio = torch.where(new > 0, old / torch.where(new > 0, new, 1.0), 0.0)[:, grew]  # [Hkv, g]
         codes = cache.data[:, slots].view(x.shape[0], len(grew), bs, -1).to(torch.float32)
-        keep = (torch.arange(bs)[None, :] < off0[grew, None]).flatten()
+        keep = (in_block[None, :] < off0[grew, None]).flatten()
         redo = torch.round(codes * ratio[..., None, None]).to(torch.int8).view(x.shape[0], len(slots), -1)
         cache.data.index_copy_(1, slots[keep], redo[:, keep])
     cache.scale.index_copy_(1, blocks, new)

@@ -55,8 +55,11 @@ class ForwardPass:
         ordered = [chunks[i] for i in order]
         query_lens = [len(c.token_ids) for c in ordered]
         seq_lens = [c.num_computed + n for c, n in zip(ordered, query_lens)]
+        dev = self.kv_cache.data.device
         meta = AttentionMetadata.build(query_lens, seq_lens, [c.block_table for c in ordered], self.block_size)
-        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.int64)
+        meta = meta.to(dev)
+        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in ordered)), dtype=torch.int64,
+                                 device=dev)
         hidden = self.forward(input_ids, meta)
         # last token of each chunk needing logits, in input order
         ends = meta.query_start_loc.tolist()
@@ -64,7 +67,7 @@ class ForwardPass:
         rows = [ends[pos_of[i] + 1] - 1 for i, c in enumerate(chunks) if c.needs_logits]
         if not rows:
             return torch.empty((0, vocab), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.int64)))
+        return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, lora=None) -> torch.Tensor:

@@ -36,11 +36,16 @@ def self_speculative_draft(target: LlamaForCausalLM, num_layers: int) -> LlamaFo
     return draft
 
 
+def _device_of(model: LlamaForCausalLM) -> torch.device:
+    """Where the model's weights live: its draft KV pool goes there too."""
+    return next(model.parameters()).device
+
+
 def load_draft(path: str, target: LlamaForCausalLM) -> LlamaForCausalLM:
     """A separate draft checkpoint, in the target's weight dtype; ValueError if the vocabularies differ."""
     from pagedllm.models.loader import load_checkpoint
 
-    draft = LlamaForCausalLM.from_checkpoint(load_checkpoint(path), target.dtype)
+    draft = LlamaForCausalLM.from_checkpoint(load_checkpoint(path), target.dtype).to(_device_of(target))
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"speculative_config.model {path!r} has vocabulary {draft.config.vocab_size}, the target "
                          f"{target.config.vocab_size}: a draft model must share the target's tokenizer")
@@ -62,7 +67,8 @@ class DraftModelProposer(Proposer):
     def __init__(self, model: LlamaForCausalLM, backend, num_blocks: int, block_size: int = 16,
                  kv_dtype: torch.dtype = torch.float32):
         cfg = model.config
-        self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, kv_dtype)
+        self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, kv_dtype,
+                                device=_device_of(model))
         self.pool = BlockPool(num_blocks, block_size)
         self.runner = ForwardPass(model, self.kv_cache, backend)
         self.block_size = block_size

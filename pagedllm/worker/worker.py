@@ -4,7 +4,10 @@ model runner (``worker/model_runner.py``), which executes it."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -17,10 +20,10 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.lora.adapter import LoRAShapes
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.slots import LoRASlots
-from pagedllm.models.forward_pass import ForwardPass
+from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
-from pagedllm.worker import cuda_graphs
+from pagedllm.worker import cuda_graphs, device_check, memory_profile
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler
@@ -45,6 +48,8 @@ class Worker:
     def __init__(self, args: EngineArgs, tp=None) -> None:
         resolved = DeviceConfig.from_args(args)
         self.device, dtype, kv_dtype = resolved.device, resolved.dtype, resolved.kv_dtype
+        backend = backend_for(self.device, args.attention_backend)
+        resolved.check_backend(backend)  # before the weights load: a refused setting costs nothing
         ckpt = load_checkpoint(args.model)
         cfg = ckpt.config
         quantization = args.quantization if self.device.type == "cpu" else "none"  # block GEMMs are CPU kernels
@@ -62,10 +67,15 @@ class Worker:
             eos.append(tok_eos)
         del ckpt
         dims = (cfg.num_layers, num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
+        max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
         if args.num_blocks is not None:
             num_blocks = args.num_blocks
         elif args.kv_cache_memory is not None:
             num_blocks = KVCache.num_blocks_for_budget(args.kv_cache_memory, *dims)
+        elif (probe := memory_profile.probe_for(self.device)) is not None:
+            runner = lambda kv: forward_pass(model, kv, get_backend(backend))  # on a scratch pool
+            num_blocks = self._profiled_num_blocks(args, probe, runner, dims, max_model_len)
         else:
             num_blocks = KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
         lora = None
@@ -85,9 +95,7 @@ class Worker:
             raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (bytes)")
         self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
                                 dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
-        backend = backend_for(self.device, args.attention_backend)
-        self.forward_pass = ForwardPass(model, self.kv_cache, get_backend(backend))
-        max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
         graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
         if graphs is not None:
             num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
@@ -100,6 +108,30 @@ class Worker:
     @property
     def model(self) -> LlamaForCausalLM:
         return self.forward_pass.model
+
+    def _profiled_num_blocks(self, args: EngineArgs, probe: memory_profile.MemoryProbe,
+                             make_runner: Callable[[KVCache], ForwardPass], dims: tuple, max_model_len: int) -> int:
+        """KV blocks that fit in ``gpu_memory_utilization`` of the device once the weights and the peak of a
+        forward over the largest step (on a scratch pool just big enough for it) are counted."""
+        prompts, need = memory_profile.profile_batch(args.max_num_batched_tokens, args.max_num_seqs, max_model_len,
+                                                     args.block_size)
+        num_layers, num_kv_heads, head_dim, block_size, kv_dtype = dims
+        runner = make_runner(KVCache(num_layers, num_kv_heads, head_dim, need, block_size, dtype=kv_dtype,
+                                     device=self.device))
+        chunks, first = [], 0
+        for p in prompts:
+            n = -(-len(p) // block_size)
+            chunks.append(SeqChunk(p, 0, list(range(first, first + n))))
+            first += n
+        scratch_bytes = need * KVCache.bytes_per_block(*dims)  # in the peak, but the real pool replaces it
+        budget = memory_profile.profile_kv_budget(probe, args.gpu_memory_utilization,
+                                                  functools.partial(runner.execute, chunks), scratch_bytes)
+        del runner
+        probe.empty_cache()  # the scratch pool's memory goes back before the real pool is allocated
+        num_blocks = KVCache.num_blocks_for_budget(budget.kv_bytes, *dims)
+        log.info("GPU memory: %s: %d KV blocks, %d tokens", budget.describe(args.gpu_memory_utilization), num_blocks,
+                 num_blocks * block_size)
+        return num_blocks
 
     def _decode_graphs(self, args: EngineArgs, tp, kv_dtype: torch.dtype,
                        max_model_len: int) -> cuda_graphs.DecodeGraphs | None:
@@ -118,7 +150,10 @@ class Worker:
             return None
         graphs = cuda_graphs.DecodeGraphs(self.forward_pass, args.max_num_seqs, max_model_len,
                                           scratch_block=self.kv_cache.num_blocks - 1, capture=capture)
+        t0 = time.perf_counter()
         graphs.capture_all()
+        log.info("decode graphs: %d batch sizes (up to %d) captured in %.1f s", len(graphs.sizes), graphs.sizes[-1],
+                 time.perf_counter() - t0)
         return graphs
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -22,8 +23,16 @@ CASES = {
 }
 
 
-def _check(backend, query_lens, seq_lens, atol, rtol=0.0, **kw):
-    b = make_random_batch(query_lens, seq_lens, **kw)
+def _on(b, device: str):
+    """The random batch with its tensors (and metadata) on ``device``."""
+    if device == "cpu":
+        return b
+    return dataclasses.replace(b, q=b.q.to(device), k=b.k.to(device), v=b.v.to(device), k_cache=b.k_cache.to(device),
+                               v_cache=b.v_cache.to(device), meta=b.meta.to(torch.device(device)))
+
+
+def _check(backend, query_lens, seq_lens, atol, rtol=0.0, device="cpu", **kw):
+    b = _on(make_random_batch(query_lens, seq_lens, **kw), device)
     ref = ReferenceBackend()
     kc_r, vc_r = b.k_cache.clone(), b.v_cache.clone()
     expected = ref.forward(b.q, b.k, b.v, kc_r, vc_r, b.meta, b.scale)
@@ -154,9 +163,9 @@ def flex_backend():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_flex_fp32(flex_backend, case):
+def test_flex_fp32(flex_backend, case, device):
     ql, sl = CASES[case]
-    _check(flex_backend, ql, sl, atol=1e-5, block_size=16, group=3)
+    _check(flex_backend, ql, sl, atol=1e-5, block_size=16, group=3, device=device)
 
 
 def test_flex_varying_batches_and_pool(flex_backend):

@@ -1,0 +1,157 @@
+"""The HF oracle on one device: greedy tokens of every attention backend x dtype x KV dtype against HF
+``generate`` on the same weights, dtype and device.
+
+The verdict follows the project's stated tolerances: fp32 weights with an fp32 pool must be token-identical to
+HF ("exact"); other dtypes and quantized pools must agree on at least 90% of the tokens, counted per prompt up
+to its first divergence ("close", the rule of tests/engine/test_kv_quant_engine.py). A combination the engine
+refuses at start by design (flex over a quantized pool, the C++ kernels on CUDA) is listed as refused; any other
+error fails. Prints a table, a row as each combination completes (a time-boxed run keeps what it finished), writes
+the rows as JSON with ``--json``, and exits 1 when a row fails.
+
+usage: python -m pagedllm.bench.gpu_oracle --model DIR [--device cuda] [--backends reference,flex,triton]
+       [--dtypes float32,bfloat16,float16] [--kv-dtypes auto,float32,...] [--prompts 8] [--max-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+CLOSE = 0.9  # share of tokens that must agree before each prompt's first divergence
+# refusals that are the design, not a failure (pagedllm/config/device.py: DeviceConfig.check_backend)
+EXPECTED_REFUSALS = ("the flex backend reads float pools only", "runs C++ CPU kernels, not on")
+
+
+@dataclass
+class Row:
+    backend: str
+    dtype: str
+    kv_dtype: str
+    agreement: float  # share of tokens equal to HF's before each prompt's first divergence
+    first_divergence: int  # the earliest divergence over the prompts (max_tokens: none)
+    verdict: str  # exact / close / refused / FAIL
+    seconds: float
+    note: str = ""
+
+
+def prompts_for(tokenizer, n: int) -> list[list[int]]:
+    """``n`` prompts of different lengths (a few tokens to a few hundred), as token ids."""
+    words = "the paged cache keeps every block of keys and values in one pool shared by all sequences".split()
+    return [tokenizer.encode(" ".join(words[(i * 5) % len(words):] + words * (i * i % 7)))[:400] or [1]
+            for i in range(n)]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype,
+              device: str) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    del model
+    return out
+
+
+def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, backend: str, dtype: str, kv: str,
+                  device: str) -> list[list[int]]:
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.protocol.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, device=device, attention_backend=backend, dtype=dtype, kv_cache_dtype=kv,
+              max_num_seqs=len(prompts), max_num_batched_tokens=2048, kv_cache_memory=1 << 30)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    del llm
+    return outs
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
+    """(share of tokens equal before each prompt's first divergence, the earliest divergence)."""
+    firsts = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), min(len(r), len(g)))
+              for r, g in zip(ref, got)]
+    total = sum(len(r) for r in ref)
+    return sum(firsts) / max(total, 1), min(firsts, default=0)
+
+
+def verdict(dtype: str, kv: str, share: float) -> str:
+    exact = dtype == "float32" and kv in ("auto", "float32")
+    if exact:
+        return "exact" if share == 1.0 else "FAIL"
+    return "close" if share >= CLOSE else "FAIL"
+
+
+def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_dtypes: list[str], n_prompts: int,
+        max_tokens: int, on_row=lambda row: None) -> list[Row]:
+    """Every combination's row, each also handed to ``on_row`` as it completes (a time-boxed run keeps them)."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.config.device import DTYPES
+
+    prompts = prompts_for(AutoTokenizer.from_pretrained(model_dir), n_prompts)
+    rows = []
+    for dtype in dtypes:
+        ref = hf_greedy(model_dir, prompts, max_tokens, DTYPES[dtype], device)
+        for backend in backends:
+            for kv in kv_dtypes:
+                t0 = time.perf_counter()
+                try:
+                    got = engine_greedy(model_dir, prompts, max_tokens, backend, dtype, kv, device)
+                except (ValueError, RuntimeError) as e:
+                    refused = isinstance(e, ValueError) and any(s in str(e) for s in EXPECTED_REFUSALS)
+                    rows.append(Row(backend, dtype, kv, 0.0, 0, "refused" if refused else "FAIL",
+                                    time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:200]))
+                    on_row(rows[-1])
+                    continue
+                finally:
+                    gc.collect()
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                share, first = agreement(ref, got)
+                rows.append(Row(backend, dtype, kv, share, first, verdict(dtype, kv, share), time.perf_counter() - t0))
+                on_row(rows[-1])
+    return rows
+
+
+HEADER = f"{'backend':<10} {'dtype':<9} {'kv':<9} {'agree':>6} {'first':>5} {'verdict':<8} {'s':>6}  note"
+
+
+def line(r: Row) -> str:
+    return (f"{r.backend:<10} {r.dtype:<9} {r.kv_dtype:<9} {r.agreement:>6.3f} {r.first_divergence:>5} "
+            f"{r.verdict:<8} {r.seconds:>6.1f}  {r.note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedllm.bench.gpu_oracle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backends", default="reference,flex,triton")
+    p.add_argument("--dtypes", default="float32,bfloat16,float16")
+    p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+    print(HEADER, flush=True)
+    rows = run(a.model, a.device, a.backends.split(","), a.dtypes.split(","), a.kv_dtypes.split(","), a.prompts,
+               a.max_tokens, on_row=lambda r: print(line(r), flush=True))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    failed = [r for r in rows if r.verdict == "FAIL"]
+    print(f"oracle: {len(rows) - len(failed)}/{len(rows)} rows pass on {a.device}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
