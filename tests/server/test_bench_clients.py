@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -21,9 +20,13 @@ pytestmark = pytest.mark.slow
 REQUESTS = 6
 
 
+GUIDELLM_VENV = Path(__file__).resolve().parents[2] / ".venv-guidellm"  # made by scripts/setup.sh
+
+
 def guidellm_command() -> list[str]:
-    exe = shutil.which("guidellm")
-    return [exe] if exe else [sys.executable, "-m", "guidellm"]
+    exe = GUIDELLM_VENV / "bin" / "guidellm"
+    assert exe.exists() or shutil.which("guidellm"), "guidellm is missing: scripts/setup.sh installs it"
+    return [str(exe) if exe.exists() else shutil.which("guidellm")]
 
 
 def ttft(srv) -> tuple[float, float]:
