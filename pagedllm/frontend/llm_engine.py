@@ -89,7 +89,7 @@ class LLMEngine:
         if rid in self.processor.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         now = time.monotonic()
-        self.core.add_request(EngineCoreRequest(rid, ids, params, cache_salt, now, lora_request))
+        self.core.add_request(EngineCoreRequest(rid, ids, params, cache_salt, now, lora_request=lora_request))
         self.processor.add_request(rid, text, ids, params, now)
         return rid
 
