@@ -38,6 +38,11 @@ class EngineArgs:
     ray_address: str | None = None  # an existing Ray cluster for the replicas; None: a local instance
     disaggregate: str | None = None  # "prefill=P,decode=D": prefill and decode on separate replicas
     seed: int = 0
+    # issue 31: KV tiers below the pool (L2 host RAM, L3 disk) and their eviction policy
+    kv_offload_memory: int = 0  # bytes of host RAM for blocks the pool evicts (L2); 0: none
+    kv_disk_path: str | None = None  # directory for the persistent disk tier (L3); None: none
+    kv_disk_size: int = 50 * 2**30  # bytes the disk tier may use
+    kv_eviction: str = "reuse"  # lru | reuse: what the tiers give up first
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -42,7 +42,16 @@ ENGINE_FLAG_HELP = {
                           "(methods: ngram, suffix, draft_model with model or num_layers)",
 }
 
-SIZE_FIELDS = ("kv_cache_memory", "swap_space")
+ENGINE_FLAG_HELP.update({  # issue 31: KV tiers
+    "kv_offload_memory": "bytes of host RAM for KV blocks the pool evicts (L2), promoted back on a prefix hit "
+                         "instead of recomputed, units allowed (8GiB); 0: none",
+    "kv_disk_path": "directory for the persistent KV disk tier (L3): checksummed block files a restarted engine "
+                    "finds again; shared safely by several engines",
+    "kv_disk_size": "bytes the KV disk tier may use, units allowed (50GiB)",
+    "kv_eviction": "what the KV tiers give up first: lru, or reuse (decayed hit frequency plus prefix depth)",
+})
+
+SIZE_FIELDS = ("kv_cache_memory", "swap_space", "kv_offload_memory", "kv_disk_size")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

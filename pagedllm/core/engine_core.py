@@ -25,6 +25,7 @@ from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, NewSeqData, S
 from pagedllm.executor import Executor, make_executor
 from pagedllm.protocol.errors import WorkerError
 from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.kv.tier_setup import build_tiers
 
 log = logging.getLogger("pagedllm.core")
 
@@ -54,6 +55,9 @@ class EngineCore:
         self.eos_token_ids = list(spec.eos_token_ids)
         self.max_model_len = spec.max_model_len
         self.kv = KVCacheManager(spec.num_blocks, spec.block_size, args.enable_prefix_caching, spec.num_host_blocks)
+        if args.kv_offload_memory or args.kv_disk_path:  # issue 31: tiers below the pool
+            kv_cache = self._local_kv_cache()
+            self.kv.attach_tiers(*build_tiers(args, spec, kv_cache), kv_cache)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
@@ -422,6 +426,7 @@ class EngineCore:
         return self.spec.model_name
 
     def shutdown(self) -> None:
+        self.kv.close()  # the pool's cached blocks to the KV tiers (a restart finds them on disk)
         self.executor.shutdown()
 
 

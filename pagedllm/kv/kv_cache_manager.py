@@ -206,7 +206,7 @@ class KVCacheManager:
 
     # ---- tiers below the pool (L2 host RAM, L3 disk) ---------------------------------------
 
-    def attach_tiers(self, tiers: TierStore, kv_cache: KVCache, hash_key: bytes | None = None) -> None:
+    def attach_tiers(self, tiers: TierStore, hash_key: bytes | None, kv_cache: KVCache) -> None:
         """Demote the blocks the pool evicts to ``tiers`` (gathered from ``kv_cache``) and promote from
         them on a prefix miss (``prefetch``). ``hash_key``: a stable key for a persistent disk tier."""
         if len(self.prefix_cache) or self._seqs:
