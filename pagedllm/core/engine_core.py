@@ -394,7 +394,7 @@ class EngineCore:
     # ------------------------------------------------------------------ read-only views
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block (as vLLM's ``reset_prefix_cache``). Returns how many."""
-        return self.kv.prefix_cache.evict(self.kv.pool.num_cached_free)
+        return self.kv.reset_prefix_cache()
 
     def pool_stats(self) -> dict:
         """Gauges for metrics and the dashboard."""

@@ -90,6 +90,10 @@ class HostTier:
         self.policy.remove(block_hash)
         self._free.append(slot)
 
+    def clear(self) -> None:
+        for h in list(self._slot):
+            self.remove(h)
+
     @property
     def num_free(self) -> int:
         return len(self._free)

@@ -289,6 +289,18 @@ class KVCacheManager:
             self._kv_cache.import_blocks([b for _, b in writes], sub)
         self.tiers.record_promotion(time.perf_counter() - t0)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block without demoting it, and empty the host tier (the disk tier
+        is kept: it is the persistent one). Returns how many pool blocks were dropped."""
+        on_drop, self.prefix_cache.on_drop = self.prefix_cache.on_drop, None
+        try:
+            n = self.prefix_cache.evict(self.pool.num_cached_free)
+        finally:
+            self.prefix_cache.on_drop = on_drop
+        if self.tiers is not None and self.tiers.host is not None:
+            self.tiers.host.clear()
+        return n
+
     def close(self) -> None:
         """Save the pool's cached blocks to the tiers and wait for the disk writes (shutdown)."""
         if self.tiers is None:
