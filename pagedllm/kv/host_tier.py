@@ -2,11 +2,13 @@
 
 Blocks arrive as the batched ``KVCache.gather_blocks`` layout, ``kv`` ``[L, 2, Hkv, n, block_size,
 D]`` (plus int8 block scales ``[L, 2, Hkv, n]`` or fp8's per-head ``[L, 2, Hkv, 1]``), and leave the
-same way, so a run of blocks moves in one index copy. Only the engine core's thread touches it.
+same way, so a run of blocks moves in one index copy. The tier thread stores, the engine thread
+looks up and loads: every method holds the tier's lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -36,63 +38,69 @@ class HostTier:
         self._slot: dict[int, int] = {}  # hash -> slot
         self._tokens: dict[int, tuple[int, ...]] = {}  # hash -> token ids, verified on every hit
         self._free = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._slot)
 
     def contains(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
-        return self._tokens.get(block_hash) == token_ids
+        with self._lock:
+            return self._tokens.get(block_hash) == token_ids
 
     def put(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], depths: Sequence[int],
             hits: Sequence[int], data: BlockData) -> list[int]:
         """Store blocks ``data[..., i]`` under ``hashes[i]`` (ones already here are only touched);
         returns the hashes evicted to make room."""
-        new = [i for i, h in enumerate(hashes) if h not in self._slot][: self.num_slots]
-        for i, h in enumerate(hashes):
-            if h in self._slot:
-                self.policy.touch(h, depths[i], hits[i])
-        short = len(new) - len(self._free)
-        evicted = self.policy.victims(short) if short > 0 else []
-        for h in evicted:
-            self.remove(h)
-        slots = [self._free.pop() for _ in new]
-        if new:
-            src = torch.tensor(new, dtype=torch.int64)
-            dst = torch.tensor(slots, dtype=torch.int64)
-            raw(self.data).index_copy_(3, dst, raw(data["kv"]).index_select(3, src))
-            if self.block_scales is not None:
-                self.block_scales.index_copy_(3, dst, data["scales"].index_select(3, src))
-            elif "scales" in data:
-                self.head_scales = data["scales"].clone()
-        for i, s in zip(new, slots):
-            self._slot[hashes[i]] = s
-            self._tokens[hashes[i]] = tokens[i]
-            self.policy.touch(hashes[i], depths[i], hits[i])
-        return evicted
+        with self._lock:
+            new = [i for i, h in enumerate(hashes) if h not in self._slot][: self.num_slots]
+            for i, h in enumerate(hashes):
+                if h in self._slot:
+                    self.policy.touch(h, depths[i], hits[i])
+            short = len(new) - len(self._free)
+            evicted = self.policy.victims(short) if short > 0 else []
+            for h in evicted:
+                self.remove(h)
+            slots = [self._free.pop() for _ in new]
+            if new:
+                src = torch.tensor(new, dtype=torch.int64)
+                dst = torch.tensor(slots, dtype=torch.int64)
+                raw(self.data).index_copy_(3, dst, raw(data["kv"]).index_select(3, src))
+                if self.block_scales is not None:
+                    self.block_scales.index_copy_(3, dst, data["scales"].index_select(3, src))
+                elif "scales" in data:
+                    self.head_scales = data["scales"].clone()
+            for i, s in zip(new, slots):
+                self._slot[hashes[i]] = s
+                self._tokens[hashes[i]] = tokens[i]
+                self.policy.touch(hashes[i], depths[i], hits[i])
+            return evicted
 
     def get(self, hashes: Sequence[int]) -> BlockData:
         """The blocks under ``hashes`` (all present), as a new batch; counts as a hit on each."""
-        idx = torch.tensor([self._slot[h] for h in hashes], dtype=torch.int64)
-        for h in hashes:
-            self.policy.touch(h)
-        out = {"kv": raw(self.data).index_select(3, idx).view(self.dtype)}
-        if self.block_scales is not None:
-            out["scales"] = self.block_scales.index_select(3, idx)
-        elif self.head_scales is not None:
-            out["scales"] = self.head_scales.clone()
-        return out
+        with self._lock:
+            idx = torch.tensor([self._slot[h] for h in hashes], dtype=torch.int64)
+            for h in hashes:
+                self.policy.touch(h)
+            out = {"kv": raw(self.data).index_select(3, idx).view(self.dtype)}
+            if self.block_scales is not None:
+                out["scales"] = self.block_scales.index_select(3, idx)
+            elif self.head_scales is not None:
+                out["scales"] = self.head_scales.clone()
+            return out
 
     def remove(self, block_hash: int) -> None:
-        slot = self._slot.pop(block_hash, None)
-        if slot is None:
-            return
-        del self._tokens[block_hash]
-        self.policy.remove(block_hash)
-        self._free.append(slot)
+        with self._lock:
+            slot = self._slot.pop(block_hash, None)
+            if slot is None:
+                return
+            del self._tokens[block_hash]
+            self.policy.remove(block_hash)
+            self._free.append(slot)
 
     def clear(self) -> None:
-        for h in list(self._slot):
-            self.remove(h)
+        with self._lock:
+            for h in list(self._slot):
+                self.remove(h)
 
     @property
     def num_free(self) -> int:
@@ -100,10 +108,11 @@ class HostTier:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless free + used slots = total, one slot per hash, policy = index."""
-        used = sorted(self._slot.values())
-        if len(set(used)) != len(used):
-            raise AssertionError("host tier: two hashes share a slot")
-        if sorted(used + self._free) != list(range(self.num_slots)):
-            raise AssertionError(f"host tier: free {len(self._free)} + used {len(used)} != total {self.num_slots}")
-        if self.policy.keys() != set(self._slot) or set(self._tokens) != set(self._slot):
-            raise AssertionError("host tier: eviction policy / token index disagree with the slot index")
+        with self._lock:
+            used = sorted(self._slot.values())
+            if len(set(used)) != len(used):
+                raise AssertionError("host tier: two hashes share a slot")
+            if sorted(used + self._free) != list(range(self.num_slots)):
+                raise AssertionError(f"host tier: free {len(self._free)} + used {len(used)} != total {self.num_slots}")
+            if self.policy.keys() != set(self._slot) or set(self._tokens) != set(self._slot):
+                raise AssertionError("host tier: eviction policy / token index disagree with the slot index")

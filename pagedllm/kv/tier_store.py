@@ -57,21 +57,18 @@ class TierStore:
 
     def demote(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], depths: Sequence[int],
                hits: Sequence[int], data: BlockData) -> None:
-        """Store gathered blocks (``KVCache.gather_blocks`` of the evicted ids) in L2 and L3."""
-        data = self._to_host(data)
-        if self.host is not None:
-            self.host.put(hashes, tokens, depths, hits, data)
-            self._count("demoted", "host", len(hashes))
-        if self.disk is not None and not self.disk.full:
-            self._writes = [f for f in self._writes if not f.done()]
-            self._writes.append(self._io.submit(self._write_disk, list(hashes), list(tokens), list(depths),
-                                                list(hits), data))
+        """Store gathered blocks (``KVCache.gather_blocks`` of the evicted ids) in L2 and L3 on the copy
+        thread: the caller only pays for the gather (and on CUDA not even for the copy to the host)."""
+        data, ready = self._to_host(data)
+        self._writes = [f for f in self._writes if not f.done()]
+        self._writes.append(self._io.submit(self._store, list(hashes), list(tokens), list(depths), list(hits),
+                                            data, ready))
 
-    def _to_host(self, data: BlockData) -> BlockData:
-        """Device tensors to host memory; on CUDA a pinned copy on the side stream (the caller's
-        stream already ordered the gather before the forward, so only this copy is deferred)."""
+    def _to_host(self, data: BlockData) -> tuple[BlockData, torch.cuda.Event | None]:
+        """Device tensors to host memory: on CUDA a pinned copy on the side stream, after the gather the
+        caller's stream ordered before the forward, with an event the copy thread waits on."""
         if self._stream is None:
-            return data
+            return data, None
         out = {}
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -79,8 +76,19 @@ class TierStore:
                 out[k] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 out[k].copy_(t, non_blocking=True)
                 t.record_stream(self._stream)
-        self._stream.synchronize()  # pinned host copies are read by L2 and the copy thread next
-        return out
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return out, ready
+
+    def _store(self, hashes: list[int], tokens: list[tuple[int, ...]], depths: list[int], hits: list[int],
+               data: BlockData, ready: torch.cuda.Event | None) -> None:
+        if ready is not None:
+            ready.synchronize()
+        if self.host is not None:
+            self.host.put(hashes, tokens, depths, hits, data)
+            self._count("demoted", "host", len(hashes))
+        if self.disk is not None and not self.disk.full:
+            self._write_disk(hashes, tokens, depths, hits, data)
 
     def _write_disk(self, hashes: list[int], tokens: list[tuple[int, ...]], depths: list[int], hits: list[int],
                     data: BlockData) -> None:
@@ -175,7 +183,7 @@ class TierStore:
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
-    def _count(self, what: str, tier: str, n: int) -> None:
+    def _count(self, what: str, tier: str, n: int) -> None:  # from both threads: one bytecode-level += each
         getattr(self.stats, f"{what}_blocks")[tier] += n
         getattr(self.stats, f"{what}_bytes")[tier] += n * self.bytes_per_block
 

@@ -32,6 +32,7 @@ def test_partial_pool_hit_promotes_only_the_missing_tail():
     assert m.allocate_slots(5, 0, 4 * BS + 2 * BS)  # 4 unhashed + 2 of the cached
     m.take_pending_copies()
     m.free(5)  # room to land them
+    store.flush()
     assert pool_kv(m, kv, tokens)[0] == 2
     m.prefetch(tokens)
     n, got = pool_kv(m, kv, tokens)

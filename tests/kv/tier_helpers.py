@@ -52,6 +52,7 @@ def evict_all(m: KVCacheManager, seq_id: int = 999) -> None:
     assert m.allocate_slots(seq_id, 0, m.num_blocks * BS)
     m.take_pending_copies()
     m.free(seq_id)
+    m.tiers.flush()  # the copy thread has stored them
 
 
 def pool_kv(m: KVCacheManager, kv: KVCache, tokens: list[int], cache_salt: str | None = None) -> tuple[int, torch.Tensor]:
