@@ -33,6 +33,8 @@ class TierStats:
     promoted_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     promoted_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     promotion_seconds: list[float] = field(default_factory=list)  # per promoted run, bounded
+    lookup_blocks: int = 0  # blocks past a pool miss looked up in the tiers
+    located_blocks: int = 0  # of those, found in L2 or L3
 
 
 class TierStore:
@@ -111,6 +113,8 @@ class TierStore:
                 where.append("disk")
             else:
                 break
+        self.stats.lookup_blocks += len(hashes)
+        self.stats.located_blocks += len(where)
         return where
 
     def load_host(self, hashes: Sequence[int]) -> BlockData:
@@ -217,6 +221,9 @@ class TierStore:
             out[f"{tier}_tier_demoted_bytes"] = s.demoted_bytes[tier]
             out[f"{tier}_tier_promoted_blocks"] = s.promoted_blocks[tier]
             out[f"{tier}_tier_promoted_bytes"] = s.promoted_bytes[tier]
+        bs = self.block_shape[3]
+        out["tier_query_tokens"] = s.lookup_blocks * bs
+        out["tier_hit_tokens"] = s.located_blocks * bs
         lat = s.promotion_seconds
         out["promotions"] = len(lat)
         out["promotion_seconds_mean"] = sum(lat) / len(lat) if lat else 0.0
