@@ -32,6 +32,7 @@ BENCHES = {
     "attention": "attention backend microbenchmark",
     "structured": "grammar mask + accept per decode step vs the step itself (JSON schemas, batch 1..64)",
     "kvquant": "int8 / fp8 KV cache vs fp32: tokens per budget, perplexity, decode step at 1k-8k, W1",
+    "tiers": "KV tiers (host RAM, disk) on multi-turn chat and Zipf RAG: off / L2 / L2+L3 / restart, eviction policies",
 }
 
 
