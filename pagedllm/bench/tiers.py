@@ -59,8 +59,8 @@ class Sizes:
         self.rag_requests = args.rag_requests or (24 if q else 300)
         self.question_tokens = 8 if q else 16
         self.rag_out = 2 if q else 4
-        self.max_num_seqs = 8 if q else 32
-        self.rag_max_num_seqs = 4 if q else 8  # a small pool: a handful of documents fit
+        self.max_num_seqs = 2 if q else 32
+        self.rag_max_num_seqs = 2 if q else 8  # a small pool: a handful of documents fit
         bs = self.block_size
         last_turn = self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.out_tokens
         self.chat_working_set = self.conversations * -(-last_turn // bs)  # blocks
