@@ -10,6 +10,7 @@ swapped in) are only recycled then, so no copy of the step can read a block anot
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
@@ -23,6 +24,8 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import raw
 from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, extra_keys_for, hash_block_chain
 from pagedllm.kv.tier_store import TierStore
+
+log = logging.getLogger(__name__)
 
 SeqId = Hashable
 BlockPairs = list[tuple[int, int]]
@@ -286,7 +289,13 @@ class KVCacheManager:
             if "scales" in data:  # int8: per block; fp8: the per-head scales
                 sc = data["scales"]
                 sub["scales"] = sc.index_select(3, idx) if self._kv_cache.dtype == torch.int8 else sc
-            self._kv_cache.import_blocks([b for _, b in writes], sub)
+            try:
+                self._kv_cache.import_blocks([b for _, b in writes], sub)
+            except ValueError:  # not this pool's layout: indexed but never written, so never hit
+                log.warning("KV tiers: a promoted run does not fit this pool; recomputing it", exc_info=True)
+                for _, b in writes:
+                    self.prefix_cache.remove(b)
+                return
         self.tiers.record_promotion(time.perf_counter() - t0)
 
     def reset_prefix_cache(self) -> int:

@@ -155,8 +155,13 @@ class PrefixCache:
         return True
 
     def remove(self, block_id: int) -> None:
-        """Unregister a block whose content is about to be overwritten."""
-        self.pool.drop_hash(self.pool.blocks[block_id])
+        """Unregister a block whose content is about to be overwritten (or was never written): not an
+        eviction, so ``on_drop`` does not see it."""
+        on_drop, self.on_drop = self.on_drop, None
+        try:
+            self.pool.drop_hash(self.pool.blocks[block_id])
+        finally:
+            self.on_drop = on_drop
 
     def evict(self, num_blocks: int) -> int:
         """Forget the hashes of up to ``num_blocks`` least recently freed cached blocks; returns

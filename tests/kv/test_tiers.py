@@ -129,3 +129,34 @@ def test_attach_is_refused_after_traffic():
     fill(m, kv, 1, prompt(1, 2))
     with pytest.raises(RuntimeError, match="before the first request"):
         m.attach_tiers(store, None, kv)
+
+
+def test_unregistered_blocks_are_never_demoted():
+    """A block unregistered because its content is changing (or was never written) is not saved."""
+    m, kv, store = make_tiers(num_blocks=8, host_slots=16)
+    tokens = prompt(20, 2)
+    hashes = _chain(m, tokens + [0] * BS)[0][:2]
+    writes = m.import_blocks(hashes, tokens[:2 * BS])
+    assert len(writes) == 2
+    for _, b in writes:  # e.g. the K/V write failed: the caller unregisters them
+        m.prefix_cache.remove(b)
+    evict_all(m)
+    assert store.stats.demoted_blocks["host"] == 0 and len(store.host) == 0
+    m.check_integrity()
+
+
+def test_a_promoted_run_that_does_not_fit_the_pool_is_not_served(caplog):
+    m, kv, store = make_tiers(num_blocks=8, host_slots=16)
+    tokens = prompt(21, 3)
+    fill(m, kv, 1, tokens)
+    evict_all(m)
+    real = kv.import_blocks
+
+    def refuse(ids, data):
+        raise ValueError("kv: expected another shape")
+
+    kv.import_blocks = refuse
+    m.prefetch(tokens)
+    kv.import_blocks = real
+    assert pool_kv(m, kv, tokens)[0] == 0 and "does not fit" in caplog.text
+    m.check_integrity()

@@ -72,3 +72,18 @@ def test_smollm2_fp32_token_identical_with_tiers(smollm2_dir, tmp_path):
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs["on"]] == [o.outputs[0].token_ids for o in outs["off"]]
     assert [o.num_cached_tokens for o in outs["on"]][4:] == [96] * 4
+
+
+def test_peer_prefix_export_looks_in_the_tiers(tiny_model_dir):
+    """A replica asked for a prefix (scale-out peer fetch) also serves what its L2 holds."""
+    from pagedllm.scaleout.kv_transfer import export_prefix
+
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=24, check_integrity=True, kv_offload_memory=4 << 20)
+    for p in PROMPTS:
+        llm.generate([p], SP, use_tqdm=False)
+    core = llm.engine.core
+    assert core.kv.match_prefix(PROMPTS[0], record=False).num_tokens == 0  # evicted from the pool
+    blocks = export_prefix(core, PROMPTS[0])
+    assert blocks is not None and len(blocks.hashes) == 8
+    core.kv.check_integrity()
+    llm.engine.shutdown()
