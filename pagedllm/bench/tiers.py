@@ -51,18 +51,20 @@ class Sizes:
         self.conversations = args.conversations or (8 if q else 200)
         self.turns = args.turns or (3 if q else 5)
         self.systems = 2 if q else 4
-        self.system_tokens = 32 if q else 64
-        self.user_tokens = 16 if q else 24
-        self.out_tokens = 4 if q else 8
-        self.documents = args.documents or (16 if q else 128)
-        self.doc_tokens = 64 if q else 256
-        self.rag_requests = args.rag_requests or (24 if q else 300)
+        self.system_tokens = 32
+        self.context_tokens = 16 if q else 32  # the conversation's own opening (a pasted text, a long first ask)
+        self.user_tokens = 8
+        self.out_tokens = 4
+        self.documents = args.documents or (16 if q else 64)
+        self.doc_tokens = 64 if q else 128
+        self.rag_requests = args.rag_requests or (24 if q else 200)
         self.question_tokens = 8 if q else 16
         self.rag_out = 2 if q else 4
         self.max_num_seqs = 2 if q else 32
         self.rag_max_num_seqs = 2 if q else 8  # a small pool: a handful of documents fit
         bs = self.block_size
-        last_turn = self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.out_tokens
+        last_turn = (self.system_tokens + self.context_tokens + self.turns * self.user_tokens
+                     + (self.turns - 1) * self.out_tokens)
         self.chat_working_set = self.conversations * -(-last_turn // bs)  # blocks
         # the pool: a quarter of the working set, but room for a full batch of the longest prompts
         self.chat_l1 = max(self.chat_working_set // 4, self.max_num_seqs * (-(-(last_turn + self.out_tokens) // bs) + 1))
@@ -76,7 +78,7 @@ class Sizes:
 def _chat_trace(s: Sizes, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(seed)
     systems = [_ids(rng, s.system_tokens) for _ in range(s.systems)]
-    hist = [list(systems[c % s.systems]) for c in range(s.conversations)]
+    hist = [systems[c % s.systems] + _ids(rng, s.context_tokens) for c in range(s.conversations)]
     questions = [[_ids(rng, s.user_tokens) for _ in range(s.turns)] for _ in range(s.conversations)]
     return hist, questions
 
@@ -233,7 +235,8 @@ def run(args) -> Report:
     }
     notes = [
         f"chat: {s.conversations} conversations x {s.turns} turns over {s.systems} shared {s.system_tokens}-token "
-        f"system prompts, {s.user_tokens}-token questions, {s.out_tokens}-token answers; working set "
+        f"system prompts, each conversation opening with its own {s.context_tokens} tokens, then "
+        f"{s.user_tokens}-token questions and {s.out_tokens}-token answers; working set "
         f"{s.chat_working_set} blocks of {s.block_size}, pool (L1) {s.chat_l1} blocks, L2 {s.chat_l2} blocks; "
         f"TTFT over returning turns (2..{s.turns}), each turn's requests arriving together.",
         f"rag: {s.rag_requests} requests over {s.documents} {s.doc_tokens}-token documents, Zipf {args.zipf}, "
