@@ -22,4 +22,6 @@ def test_bench_tiers_quick(tiny_model_dir, tmp_path, capsys):
     assert chat["after restart (L2 + L3)"]["l3_hit_tokens"] > 0
     assert rag["after restart (L2 + L3)"]["l3_hit_tokens"] > 0
     assert set(res["summary"]) == {"chat_ttft_p50_speedup_l2", "chat_ttft_p50_speedup_l2_l3",
-                                   "chat_restart_hit_fraction", "rag_reuse_vs_lru_hit_tokens"}
+                                   "chat_restart_hit_fraction", "rag_reuse_vs_lru_hit_tokens",
+                                   "promotion_ms_per_block_l2", "promotion_ms_per_block_l3", "compute_ms_per_block"}
+    assert res["summary"]["promotion_ms_per_block_l2"] > 0 and res["summary"]["compute_ms_per_block"] > 0
