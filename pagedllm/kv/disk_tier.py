@@ -71,17 +71,35 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.policy = policy
         self._lock = threading.Lock()
-        self._size: dict[int, int] = {}  # chain hash -> file bytes, for the files this engine knows
+        self._size: dict[str, int] = {}  # file name -> bytes, every block file in the directory
         self.used_bytes = 0
         self.full = False  # the disk said ENOSPC: no writes until an eviction frees room
         self.num_corrupt = 0  # files that failed verification (deleted, never served)
         self._remove_dead_temps()
+        self._index_existing()
 
     # ---- names -----------------------------------------------------------------------------
 
+    def _name(self, block_hash: int) -> str:
+        return hashlib.blake2b(self.fingerprint + block_hash.to_bytes(16, "little"), digest_size=20).hexdigest() + SUFFIX
+
     def _file(self, block_hash: int) -> str:
-        name = hashlib.blake2b(self.fingerprint + block_hash.to_bytes(16, "little"), digest_size=20).hexdigest()
-        return os.path.join(self.path, name + SUFFIX)
+        return os.path.join(self.path, self._name(block_hash))
+
+    def _index_existing(self) -> None:
+        """Files left by earlier runs (any model's) count against the capacity, oldest first to go."""
+        found = []
+        for name in os.listdir(self.path):
+            if name.endswith(SUFFIX):
+                try:
+                    st = os.stat(os.path.join(self.path, name))
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime_ns, name, st.st_size))
+        for _, name, size in sorted(found):
+            self._size[name] = size
+            self.used_bytes += size
+            self.policy.touch(name, depth=0, hits=0)
 
     def _remove_dead_temps(self) -> None:
         """Temp files of crashed writers (their pid is gone) are removed; live writers' stay."""
@@ -97,7 +115,7 @@ class DiskTier:
     def contains(self, block_hash: int) -> bool:
         """Known here, or written by another engine (or an earlier run) on this directory."""
         with self._lock:
-            if block_hash in self._size:
+            if self._name(block_hash) in self._size:
                 return True
         return os.path.exists(self._file(block_hash))
 
@@ -109,10 +127,11 @@ class DiskTier:
     def write(self, block_hash: int, token_ids: tuple[int, ...], payload: bytes, depth: int = 0,
               hits: int = 1) -> bool:
         """Store one block; False when it was not written (disk full, or already there)."""
+        name = self._name(block_hash)
         if self.contains(block_hash):
             with self._lock:
-                if block_hash in self._size:
-                    self.policy.touch(block_hash, depth, hits)
+                if name in self._size:
+                    self.policy.touch(name, depth, hits)
             return False
         body = _HEAD.pack(MAGIC, self.fingerprint, block_hash.to_bytes(16, "little"), len(token_ids))
         body += array("q", token_ids).tobytes() + struct.pack("<Q", len(payload)) + payload
@@ -134,15 +153,16 @@ class DiskTier:
                 return False
             raise
         with self._lock:
-            self._size[block_hash] = len(blob)
-            self.used_bytes += len(blob)
-            self.policy.touch(block_hash, depth, hits)
+            if name not in self._size:  # (another engine may have renamed the same block in meanwhile)
+                self._size[name] = len(blob)
+                self.used_bytes += len(blob)
+            self.policy.touch(name, depth, hits)
         return True
 
     def _make_room(self, nbytes: int) -> None:
         with self._lock:
             over = self.used_bytes + nbytes - self.capacity_bytes
-            victims: list[int] = []
+            victims: list[str] = []
             while over > 0 and len(victims) < len(self._size):
                 more = self.policy.victims(len(victims) + 1)[len(victims):]
                 if not more:
@@ -154,39 +174,40 @@ class DiskTier:
             if over > 0:
                 self.full = True  # one file larger than the whole tier
                 return
-        for h in victims:
-            _unlink(self._file(h))
+        for name in victims:
+            _unlink(os.path.join(self.path, name))
         if victims:
             self.full = False
 
-    def _forget(self, block_hash: int) -> None:
-        self.used_bytes -= self._size.pop(block_hash)
-        self.policy.remove(block_hash)
+    def _forget(self, name: str) -> None:
+        self.used_bytes -= self._size.pop(name)
+        self.policy.remove(name)
 
     # ---- read ------------------------------------------------------------------------------
 
     def read(self, block_hash: int, token_ids: tuple[int, ...]) -> bytes | None:
         """The payload stored for this block, or None: missing, or failed verification (then deleted)."""
-        path = self._file(block_hash)
+        name = self._name(block_hash)
+        path = os.path.join(self.path, name)
         try:
             with open(path, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
             with self._lock:
-                if block_hash in self._size:
-                    self._forget(block_hash)
+                if name in self._size:
+                    self._forget(name)
             return None
         payload = self._verify(blob, block_hash, token_ids)
         with self._lock:
             if payload is None:
                 self.num_corrupt += 1
-                if block_hash in self._size:
-                    self._forget(block_hash)
-            elif block_hash not in self._size:  # another engine's (or an earlier run's) file: adopt it
-                self._size[block_hash] = len(blob)
-                self.used_bytes += len(blob)
-            if payload is not None:
-                self.policy.touch(block_hash)
+                if name in self._size:
+                    self._forget(name)
+            else:
+                if name not in self._size:  # another engine wrote it since this one started: adopt it
+                    self._size[name] = len(blob)
+                    self.used_bytes += len(blob)
+                self.policy.touch(name)
         if payload is None:
             log.warning("KV disk tier: %s failed verification; deleted, not served", os.path.basename(path))
             _unlink(path)

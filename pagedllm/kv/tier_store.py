@@ -11,6 +11,7 @@ thread and returns a future, so a request waiting for its blocks does not stall 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class TierStore:
         self.disk = disk
         self.device = torch.device(device)
         self.stats = TierStats()
+        self._count_lock = threading.Lock()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers")
         self._writes: list[Future] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -187,9 +189,10 @@ class TierStore:
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
-    def _count(self, what: str, tier: str, n: int) -> None:  # from both threads: one bytecode-level += each
-        getattr(self.stats, f"{what}_blocks")[tier] += n
-        getattr(self.stats, f"{what}_bytes")[tier] += n * self.bytes_per_block
+    def _count(self, what: str, tier: str, n: int) -> None:
+        with self._count_lock:  # both threads count
+            getattr(self.stats, f"{what}_blocks")[tier] += n
+            getattr(self.stats, f"{what}_bytes")[tier] += n * self.bytes_per_block
 
     def record_promotion(self, seconds: float) -> None:
         lat = self.stats.promotion_seconds

@@ -188,3 +188,18 @@ def test_two_engines_share_one_directory(tmp_path):
     assert all(d.read(h, TOKENS) == _payload(h, size) for h in range(300))
     assert d.num_corrupt == 0 and len(_files(tmp_path)) == 300
     d.check_integrity()
+
+
+def test_capacity_counts_files_left_by_earlier_runs(tmp_path):
+    d = DiskTier(str(tmp_path), 1 << 20, FINGERPRINT, make_policy("lru"))
+    for h in range(4):
+        d.write(h, TOKENS, _payload(h, 200))
+        os.utime(d._file(h), ns=((h + 1) * 10**9,) * 2)  # written in this order (mtime ticks can be coarse)
+    size = d.used_bytes
+    # a restart with room for two files: the oldest files of the earlier run make room
+    d2 = DiskTier(str(tmp_path), size // 2 + 1, FINGERPRINT, make_policy("lru"))
+    assert d2.used_bytes == size and len(d2) == 4
+    assert d2.write(9, TOKENS, _payload(9, 200))
+    assert d2.used_bytes <= size // 2 + 1 and len(_files(tmp_path)) == len(d2) == 2
+    assert d2.read(9, TOKENS) == _payload(9, 200) and d2.read(3, TOKENS) == _payload(3, 200)
+    d2.check_integrity()
