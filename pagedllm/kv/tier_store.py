@@ -55,6 +55,7 @@ class TierStore:
         self._count_lock = threading.Lock()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers")
         self._writes: list[Future] = []
+        self._closed = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- demotion ------------------------------------------------------------------------
@@ -63,6 +64,8 @@ class TierStore:
                hits: Sequence[int], data: BlockData) -> None:
         """Store gathered blocks (``KVCache.gather_blocks`` of the evicted ids) in L2 and L3 on the copy
         thread: the caller only pays for the gather (and on CUDA not even for the copy to the host)."""
+        if self._closed:
+            return
         data, ready = self._to_host(data)
         self._writes = [f for f in self._writes if not f.done()]
         self._writes.append(self._io.submit(self._store, list(hashes), list(tokens), list(depths), list(hits),
@@ -207,7 +210,9 @@ class TierStore:
         self._writes.clear()
 
     def close(self) -> None:
+        """Finish the queued writes and stop the copy thread; later demotions are dropped."""
         self.flush()
+        self._closed = True
         self._io.shutdown(wait=True)
 
     def describe(self) -> dict[str, float]:

@@ -160,3 +160,13 @@ def test_a_promoted_run_that_does_not_fit_the_pool_is_not_served(caplog):
     kv.import_blocks = real
     assert pool_kv(m, kv, tokens)[0] == 0 and "does not fit" in caplog.text
     m.check_integrity()
+
+
+def test_close_saves_cached_blocks_once_and_twice_is_harmless(tmp_path):
+    m, kv, store = make_tiers(num_blocks=8, host_slots=16, disk_path=str(tmp_path))
+    fill(m, kv, 1, prompt(22, 3))
+    m.close()
+    assert store.stats.demoted_blocks["disk"] == 3
+    m.close()
+    assert store.stats.demoted_blocks["disk"] == 3
+    m.check_integrity()

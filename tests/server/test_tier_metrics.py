@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 
 from tests.server.conftest import live_server
+from tests.server.test_dashboard import browser  # noqa: F401 - the headless Chromium fixture
 
 PROMPTS = [[1000 + (i * 37 + j * 11) % 20000 for i in range(130)] for j in range(6)]
 
@@ -21,7 +22,7 @@ def _metrics(srv) -> dict[tuple[str, str], float]:
     return out
 
 
-def test_tier_metrics_and_snapshot(tiny_model_dir, tmp_path):
+def test_tier_metrics_snapshot_and_dashboard(tiny_model_dir, tmp_path, browser):  # noqa: F811
     opts = {"model": tiny_model_dir, "num_blocks": 16, "kv_offload_memory": 4 << 20, "kv_disk_path": str(tmp_path)}
     with live_server(opts) as srv:
         auth = {"Authorization": f"Bearer {srv.api_key}"}
@@ -39,3 +40,14 @@ def test_tier_metrics_and_snapshot(tiny_model_dir, tmp_path):
         assert m["vllm:external_prefix_cache_queries_total", ""] >= m["vllm:external_prefix_cache_hits_total", ""]
         snap = httpx.get(f"{srv.url}/v1/kv/snapshot", headers=auth).json()
         assert snap["stats"]["host_tier_promoted_blocks"] == m["pagedllm_kv_tier_promoted_blocks_total", "host"]
+
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        browser.get(f"{srv.url}/dashboard#key={srv.api_key}")
+        rows = lambda d: d.find_element(By.ID, "tier-rows").text  # noqa: E731
+        WebDriverWait(browser, 60, poll_frequency=0.05).until(
+            lambda d: d.find_element(By.ID, "tiers").is_displayed() and "host RAM" in rows(d))
+        text = rows(browser)
+        used, total = snap["stats"]["host_tier_used"], snap["stats"]["host_tier_blocks"]
+        assert f"{used} / {total} blocks" in text and "disk" in text and "promotion" in text
