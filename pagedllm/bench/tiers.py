@@ -34,8 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=None, help="turns per conversation (default 5; quick 3)")
     p.add_argument("--documents", type=int, default=None, help="RAG documents (default 64; quick 8)")
     p.add_argument("--rag-requests", type=int, default=None, help="RAG requests (default 400; quick 24)")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of document popularity (default 1.1)")
+    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of document popularity (default 1.0)")
     p.add_argument("--disk-dir", default=None, help="L3 directory (default: a fresh temp dir, removed after)")
+    p.add_argument("--traces", default="chat,rag", help="which traces to run (default chat,rag)")
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -228,24 +229,30 @@ def run(args) -> Report:
     own_dir = args.disk_dir is None
     root = tempfile.mkdtemp(prefix="pagedllm-tiers-") if own_dir else args.disk_dir
     try:
-        chat = _chat(args, s, os.path.join(root, "chat"))
-        rag = _rag(args, s, os.path.join(root, "rag"))
+        traces = set(args.traces.split(","))
+        if not traces or traces - {"chat", "rag"}:
+            raise SystemExit(f"--traces: chat and/or rag, got {args.traces!r}")
+        chat = _chat(args, s, os.path.join(root, "chat")) if "chat" in traces else []
+        rag = _rag(args, s, os.path.join(root, "rag")) if "rag" in traces else []
     finally:
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)
-    off, l2c, l3c, restart = chat
-    lru, reuse = rag[1], rag[2]
-    summary = {
-        "chat_ttft_p50_speedup_l2": off["ttft_p50_s"] / l2c["ttft_p50_s"],
-        "chat_ttft_p50_speedup_l2_l3": off["ttft_p50_s"] / l3c["ttft_p50_s"],
-        "chat_restart_hit_fraction": restart["returning_hit_tokens"] / max(l3c["returning_hit_tokens"], 1),
-        "rag_reuse_vs_lru_hit_tokens": reuse["hit_tokens"] / max(lru["hit_tokens"], 1),
-        # the wait-or-recompute rule: a promoted block vs a recomputed one (wall time of the whole run per
-        # computed block, decode included: an upper bound on prefill alone)
-        "promotion_ms_per_block_l2": l2c["promotion_ms_per_block"],
-        "promotion_ms_per_block_l3": restart["promotion_ms_per_block"],
-        "compute_ms_per_block": off["prefill_ms_per_block"],
-    }
+    summary = {}
+    if chat:
+        off, l2c, l3c, restart = chat
+        summary.update({
+            "chat_ttft_p50_speedup_l2": off["ttft_p50_s"] / l2c["ttft_p50_s"],
+            "chat_ttft_p50_speedup_l2_l3": off["ttft_p50_s"] / l3c["ttft_p50_s"],
+            "chat_restart_hit_fraction": restart["returning_hit_tokens"] / max(l3c["returning_hit_tokens"], 1),
+            # the wait-or-recompute rule: a promoted block vs a recomputed one (wall time of the whole run per
+            # computed block, decode included: an upper bound on prefill alone)
+            "promotion_ms_per_block_l2": l2c["promotion_ms_per_block"],
+            "promotion_ms_per_block_l3": restart["promotion_ms_per_block"],
+            "compute_ms_per_block": off["prefill_ms_per_block"],
+        })
+    if rag:
+        summary["rag_reuse_vs_lru_hit_tokens"] = rag[2]["hit_tokens"] / max(rag[1]["hit_tokens"], 1)
+    g = summary.get
     notes = [
         f"chat: {s.conversations} conversations x {s.turns} turns over {s.systems} shared {s.system_tokens}-token "
         f"system prompts, each conversation opening with its own {s.context_tokens} tokens, then "
@@ -259,21 +266,21 @@ def run(args) -> Report:
         "greedy, ignore_eos.",
         "targets: returning-turn TTFT p50 3x lower than tiers off ({:.2f}x with L2, {:.2f}x with L2 + L3); after a "
         "restart >= 90% of the returning turns' hit tokens ({:.0%}); reuse eviction >= 1.10x LRU's hit tokens on "
-        "rag ({:.2f}x).".format(summary["chat_ttft_p50_speedup_l2"], summary["chat_ttft_p50_speedup_l2_l3"],
-                                 summary["chat_restart_hit_fraction"], summary["rag_reuse_vs_lru_hit_tokens"]),
+        "rag ({:.2f}x).".format(g("chat_ttft_p50_speedup_l2", 0), g("chat_ttft_p50_speedup_l2_l3", 0),
+                                 g("chat_restart_hit_fraction", 0), g("rag_reuse_vs_lru_hit_tokens", 0)),
         "wait or recompute: a block promoted from L2 took {:.2f} ms, from L3 (after restart) {:.2f} ms, against "
         "{:.1f} ms of engine time per block computed with tiers off, so a request always waits for its "
-        "blocks.".format(summary["promotion_ms_per_block_l2"], summary["promotion_ms_per_block_l3"],
-                         summary["compute_ms_per_block"]),
+        "blocks.".format(g("promotion_ms_per_block_l2", 0), g("promotion_ms_per_block_l3", 0),
+                         g("compute_ms_per_block", 0)),
     ]
-    return Report("tiers", "KV tiers: host RAM and disk below the pool", notes,
-                  [_table(chat, "Multi-turn chat (returning turns)", "returning"),
-                   _table(rag, "RAG, Zipf document popularity", "all")],
+    tables = ([_table(chat, "Multi-turn chat (returning turns)", "returning")] if chat else []) + (
+        [_table(rag, "RAG, Zipf document popularity", "all")] if rag else [])
+    return Report("tiers", "KV tiers: host RAM and disk below the pool", notes, tables,
                   {"chat": chat, "rag": rag, "summary": summary})
 
 
 def plot(fig, result: dict) -> None:
-    for i, key in enumerate(("chat", "rag")):
+    for i, key in enumerate(k for k in ("chat", "rag") if result[k]):
         rows = result[key]
         ax = fig.add_subplot(1, 2, i + 1)
         names = [r["config"].replace(" (", "\n(").replace(", ", ",\n") for r in rows]

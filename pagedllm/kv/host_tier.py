@@ -57,7 +57,16 @@ class HostTier:
                 if h in self._slot:
                     self.policy.touch(h, depths[i], hits[i])
             short = len(new) - len(self._free)
-            evicted = self.policy.victims(short) if short > 0 else []
+            evicted = []
+            if short > 0:  # the best newcomers take free slots first, then each replaces a victim it outscores
+                new.sort(key=lambda i: hits[i] + 1 / (1 + depths[i]), reverse=True)
+                victims = self.policy.victims(short)
+                keep = len(self._free)
+                for i, v in zip(new[keep:], victims):
+                    if not self.policy.admits(depths[i], hits[i], v):
+                        break
+                    evicted.append(v)
+                new = new[:keep + len(evicted)]
             for h in evicted:
                 self.remove(h)
             slots = [self._free.pop() for _ in new]

@@ -5,7 +5,8 @@ count decayed by how long ago it was last used (half-life in tier accesses, so t
 workload, not the wall), plus a bonus for being shallow in its prefix chain (a system prompt's
 first blocks are shared by every conversation that starts with it, and a hit on any later block
 needs them first). Every prefix passing through a block adds to its count, so blocks shared by
-many cached prefixes score high. The lowest scores go first.
+many cached prefixes score high. The lowest scores go first, and a newcomer that would score below the
+block it would push out is not admitted.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ class LRUPolicy:
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
+    def admits(self, depth: int, hits: int, victim: Hashable) -> bool:
+        """Whether a newcomer may take ``victim``'s place (LRU: always)."""
+        return True
+
     def victims(self, n: int) -> list:
-        """The ``n`` keys to evict first (not removed: the tier calls ``remove``)."""
+        """The ``n`` keys to evict first, first to go first (not removed: the tier calls ``remove``)."""
         out = []
         for k in self._order:
             if len(out) >= n:
@@ -76,6 +81,11 @@ class ReusePolicy:
     def score(self, key: Hashable) -> float:
         count, last, depth = self._entries[key]
         return self._decayed(count, last) + self.depth_weight / (1 + depth)
+
+    def admits(self, depth: int, hits: int, victim: Hashable) -> bool:
+        """Admission control: a newcomer that would score below the block it evicts stays out (a
+        one-off document does not push out a popular one)."""
+        return hits + self.depth_weight / (1 + depth) > self.score(victim)
 
     def victims(self, n: int) -> list:
         return heapq.nsmallest(n, self._entries, key=self.score)

@@ -4,7 +4,7 @@ The KV manager calls it with batches of blocks. ``demote``: blocks the pool just
 gathered from the device in one index copy (before the step's forward can overwrite them; on CUDA
 the device-to-host copy runs on a side stream into pinned memory), stored in L2, and written to L3
 by the copy thread (write-through, so a restart finds them). ``locate`` says which tier holds each
-block of a chain; ``load_host`` returns an L2 run at once; ``load_disk`` reads an L3 run on the copy
+block of a chain; ``load_host`` returns an L2 run at once; ``load_disk`` reads an L3 run on a read
 thread and returns a future, so a request waiting for its blocks does not stall the step.
 """
 
@@ -53,7 +53,9 @@ class TierStore:
         self.device = torch.device(device)
         self.stats = TierStats()
         self._count_lock = threading.Lock()
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tiers")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-store")
+        # promotions read on their own threads: a request waiting for its blocks never queues behind demotions
+        self._reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tier-read")
         self._writes: list[Future] = []
         self._closed = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -134,7 +136,7 @@ class TierStore:
         first ``n`` blocks loaded (a missing or corrupt file ends the run there)."""
         host = {i: h for i, (h, w) in enumerate(zip(hashes, where)) if w == "host"}
         host_data = self.host.get(list(host.values())) if host else None
-        return self._io.submit(self._read_run, list(hashes), list(tokens), list(where), list(host), host_data)
+        return self._reads.submit(self._read_run, list(hashes), list(tokens), list(where), list(host), host_data)
 
     def _read_run(self, hashes: list[int], tokens: list[tuple[int, ...]], where: list[str], host_pos: list[int],
                   host_data: BlockData | None) -> tuple[BlockData | None, int]:
@@ -214,6 +216,7 @@ class TierStore:
         self.flush()
         self._closed = True
         self._io.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
 
     def describe(self) -> dict[str, float]:
         """Occupancy and counters per tier, flat, for ``KVCacheManager.stats``."""

@@ -48,3 +48,20 @@ def test_reuse_decays_old_hits():
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_eviction"):
         make_policy("mru")
+
+
+def test_reuse_admission_keeps_a_one_off_block_out():
+    from pagedllm.kv.host_tier import HostTier
+    import torch
+
+    shape = (1, 2, 1, 2, 2)
+    tier = HostTier(2, shape, torch.float32, None, ReusePolicy())
+    data = {"kv": torch.arange(16, dtype=torch.float32).view(1, 2, 1, 2, 2, 2)}
+    tier.put([1, 2], [(1,), (2,)], [3, 3], [9, 9], data)  # two popular blocks fill the tier
+    assert tier.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]}) == []  # a one-off stays out
+    assert not tier.contains(3, (3,)) and tier.contains(1, (1,))
+    lru = HostTier(2, shape, torch.float32, None, LRUPolicy())
+    lru.put([1, 2], [(1,), (2,)], [3, 3], [9, 9], data)
+    assert lru.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]}) == [1]  # LRU always admits
+    tier.check_integrity()
+    lru.check_integrity()
