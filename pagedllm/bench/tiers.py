@@ -252,7 +252,6 @@ def run(args) -> Report:
         })
     if rag:
         summary["rag_reuse_vs_lru_hit_tokens"] = rag[2]["hit_tokens"] / max(rag[1]["hit_tokens"], 1)
-    g = summary.get
     notes = [
         f"chat: {s.conversations} conversations x {s.turns} turns over {s.systems} shared {s.system_tokens}-token "
         f"system prompts, each conversation opening with its own {s.context_tokens} tokens, then "
@@ -263,16 +262,20 @@ def run(args) -> Report:
         f"+{s.question_tokens}-token questions, arriving {s.rag_max_num_seqs} at a time; pool {s.rag_l1} blocks, L2 "
         f"{s.rag_l2} blocks (an eighth of the documents); TTFT over all requests.",
         f"dtype {resolve_dtype(args.dtype)}; max_num_seqs {s.max_num_seqs} (chat), {s.rag_max_num_seqs} (rag); "
-        "greedy, ignore_eos.",
-        "targets: returning-turn TTFT p50 3x lower than tiers off ({:.2f}x with L2, {:.2f}x with L2 + L3); after a "
-        "restart >= 90% of the returning turns' hit tokens ({:.0%}); reuse eviction >= 1.10x LRU's hit tokens on "
-        "rag ({:.2f}x).".format(g("chat_ttft_p50_speedup_l2", 0), g("chat_ttft_p50_speedup_l2_l3", 0),
-                                 g("chat_restart_hit_fraction", 0), g("rag_reuse_vs_lru_hit_tokens", 0)),
-        "wait or recompute: a block promoted from L2 took {:.2f} ms, from L3 (after restart) {:.2f} ms, against "
-        "{:.1f} ms of engine time per block computed with tiers off, so a request always waits for its "
-        "blocks.".format(g("promotion_ms_per_block_l2", 0), g("promotion_ms_per_block_l3", 0),
-                         g("compute_ms_per_block", 0)),
+        "greedy, ignore_eos."
     ]
+    if chat:
+        notes.append("targets (chat): returning-turn TTFT p50 3x lower than tiers off ({:.2f}x with L2, {:.2f}x with "
+                     "L2 + L3); after a restart >= 90% of the returning turns' hit tokens ({:.0%}).".format(
+                         summary["chat_ttft_p50_speedup_l2"], summary["chat_ttft_p50_speedup_l2_l3"],
+                         summary["chat_restart_hit_fraction"]))
+        notes.append("wait or recompute: a block promoted from L2 took {:.2f} ms, from L3 (after restart) {:.2f} ms, "
+                     "against {:.1f} ms of engine time per block computed with tiers off, so a request always waits "
+                     "for its blocks.".format(summary["promotion_ms_per_block_l2"], summary["promotion_ms_per_block_l3"],
+                                              summary["compute_ms_per_block"]))
+    if rag:
+        notes.append("target (rag): reuse eviction >= 1.10x LRU's hit tokens ({:.2f}x).".format(
+            summary["rag_reuse_vs_lru_hit_tokens"]))
     tables = ([_table(chat, "Multi-turn chat (returning turns)", "returning")] if chat else []) + (
         [_table(rag, "RAG, Zipf document popularity", "all")] if rag else [])
     return Report("tiers", "KV tiers: host RAM and disk below the pool", notes, tables,
