@@ -56,7 +56,7 @@ class EngineCore:
         self.max_model_len = spec.max_model_len
         self.kv = KVCacheManager(spec.num_blocks, spec.block_size, args.enable_prefix_caching, spec.num_host_blocks)
         if args.kv_offload_memory or args.kv_disk_path:  # issue 31: tiers below the pool
-            kv_cache = self._local_kv_cache()
+            kv_cache = getattr(getattr(self.executor, "worker", None), "kv_cache", None)
             self.kv.attach_tiers(*build_tiers(args, spec, kv_cache), kv_cache)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

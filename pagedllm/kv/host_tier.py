@@ -22,7 +22,7 @@ BlockData = dict[str, torch.Tensor]
 class HostTier:
     """``num_slots`` block slots; a full tier evicts by ``policy`` to make room."""
 
-    def __init__(self, num_slots: int, block_shape: Sequence[int], dtype: torch.dtype, scales_shape: Sequence[int] | None,
+    def __init__(self, num_slots: int, block_shape: Sequence[int], dtype: torch.dtype,
                  policy: LRUPolicy | ReusePolicy, pin_memory: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"kv_offload_memory: holds no block (num_slots={num_slots})")
@@ -32,7 +32,7 @@ class HostTier:
         self.data = torch.empty((L, two, H, num_slots, bs, D), dtype=dtype, pin_memory=pin_memory)
         self.block_scales = None  # int8: one scale per block and head
         self.head_scales = None  # fp8: the pool's per-head scales, the same for every block
-        if scales_shape is not None and dtype == torch.int8:
+        if dtype == torch.int8:
             self.block_scales = torch.empty((L, two, H, num_slots), dtype=torch.float32, pin_memory=pin_memory)
         self.policy = policy
         self._slot: dict[int, int] = {}  # hash -> slot

@@ -32,13 +32,17 @@ def model_fingerprint(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache) ->
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=32).digest()
 
 
-def build_tiers(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache) -> tuple[TierStore, bytes | None] | None:
+def build_tiers(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache | None) -> tuple[TierStore, bytes | None] | None:
     """The tier store for ``--kv-offload-memory`` / ``--kv-disk-path`` (None when neither is set) and the
-    hash key the manager must use (the disk directory's, unless ``$PAGEDLLM_HASH_KEY`` is set)."""
+    hash key the manager must use (the disk directory's, unless ``$PAGEDLLM_HASH_KEY`` is set). ``kv_cache``:
+    the pool tensors, None when the worker is not in the core's process (then ValueError)."""
     if args.kv_offload_memory < 0:
         raise ValueError(f"kv_offload_memory: must be >= 0 bytes, got {args.kv_offload_memory}")
     if not args.kv_offload_memory and not args.kv_disk_path:
         return None
+    if kv_cache is None:
+        raise ValueError("kv_offload_memory / kv_disk_path: KV tiers need the worker in the engine core's process "
+                         "(distributed_executor_backend='uni', tensor_parallel_size=1)")
     if not args.enable_prefix_caching:
         raise ValueError("kv_offload_memory / kv_disk_path: KV tiers need enable_prefix_caching")
     per_block = KVCache.bytes_per_block(kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim,
@@ -51,8 +55,8 @@ def build_tiers(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache) -> tuple
         slots = args.kv_offload_memory // per_block
         if slots < 1:
             raise ValueError(f"kv_offload_memory: {args.kv_offload_memory} bytes hold no block of {per_block} bytes")
-        host = HostTier(slots, block_shape, kv_cache.dtype, None if kv_cache.scales is None else (),
-                        make_policy(args.kv_eviction), pin_memory=device.type == "cuda" and torch.cuda.is_available())
+        host = HostTier(slots, block_shape, kv_cache.dtype, make_policy(args.kv_eviction),
+                        pin_memory=device.type == "cuda" and torch.cuda.is_available())
     disk, key = None, None
     if args.kv_disk_path:
         if args.kv_disk_size <= 0:

@@ -55,12 +55,12 @@ def test_reuse_admission_keeps_a_one_off_block_out():
     import torch
 
     shape = (1, 2, 1, 2, 2)
-    tier = HostTier(2, shape, torch.float32, None, ReusePolicy())
+    tier = HostTier(2, shape, torch.float32, ReusePolicy())
     data = {"kv": torch.arange(16, dtype=torch.float32).view(1, 2, 1, 2, 2, 2)}
     tier.put([1, 2], [(1,), (2,)], [3, 3], [9, 9], data)  # two popular blocks fill the tier
     assert tier.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]}) == []  # a one-off stays out
     assert not tier.contains(3, (3,)) and tier.contains(1, (1,))
-    lru = HostTier(2, shape, torch.float32, None, LRUPolicy())
+    lru = HostTier(2, shape, torch.float32, LRUPolicy())
     lru.put([1, 2], [(1,), (2,)], [3, 3], [9, 9], data)
     assert lru.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]}) == [1]  # LRU always admits
     tier.check_integrity()

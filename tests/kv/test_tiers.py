@@ -170,3 +170,28 @@ def test_close_saves_cached_blocks_once_and_twice_is_harmless(tmp_path):
     m.close()
     assert store.stats.demoted_blocks["disk"] == 3
     m.check_integrity()
+
+
+def test_fp8_pool_round_trips_through_host_and_disk(tmp_path):
+    m, kv, store = make_tiers(num_blocks=8, host_slots=1, disk_path=str(tmp_path), dtype=torch.float8_e4m3fn)
+    tokens = prompt(23, 3)
+    assert m.allocate_slots(1, 0, len(tokens))
+    table = m.block_table(1)
+    codes = torch.randn(2, 2, 2, len(table), BS, 4).to(torch.float8_e4m3fn)
+    kv.import_blocks(table, {"kv": codes, "scales": kv.scales.clone()})
+    m.cache_full_blocks(1, tokens)
+    m.take_pending_copies()
+    m.free(1)
+    evict_all(m)
+    m.prefetch(tokens, wait=True)
+    n, got = pool_kv(m, kv, tokens)
+    assert n == 3 and torch.equal(got.view(torch.uint8), codes[:, :, :, :3].view(torch.uint8))
+    m.check_integrity()
+
+
+def test_tiers_need_the_worker_in_the_core_process():
+    from pagedllm.config.args import EngineArgs
+    from pagedllm.kv.tier_setup import build_tiers
+
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        build_tiers(EngineArgs(kv_offload_memory=1 << 20), None, None)

@@ -21,7 +21,7 @@ def make_tiers(num_blocks: int = 8, host_slots: int = 0, disk_path: str | None =
     kv = KVCache(L, H, D, num_blocks, BS, dtype=dtype)
     m = KVCacheManager(num_blocks, BS)
     shape = (L, 2, H, BS, D)
-    host = HostTier(host_slots, shape, kv.dtype, None, make_policy(policy)) if host_slots else None
+    host = HostTier(host_slots, shape, kv.dtype, make_policy(policy)) if host_slots else None
     disk = DiskTier(disk_path, disk_bytes, fingerprint, make_policy(policy)) if disk_path else None
     per_block = KVCache.bytes_per_block(L, H, D, BS, kv.dtype)
     store = TierStore(shape, kv.dtype, per_block, host, disk)
