@@ -6,6 +6,10 @@ per step, before the forward: ``swap_out`` pairs, then ``swap_in`` pairs, then t
 pairs from ``take_pending_copies()``. Calling ``take_pending_copies()`` also ends the step: blocks
 that this step's copies still read (a CoW source whose last holder left, host blocks just
 swapped in) are only recycled then, so no copy of the step can read a block another one wrote.
+
+With KV tiers attached (``attach_tiers``: host RAM, disk), the cached blocks the pool evicts are saved
+there when the step's schedule ends, and ``prefetch`` brings a prompt's blocks back from them; see
+docs/architecture.md, "KV tiers".
 """
 
 from __future__ import annotations
