@@ -34,13 +34,14 @@ def prompt(seed: int, num_blocks: int) -> list[int]:
     return [seed * 1000 + i for i in range(num_blocks * BS + 1)]
 
 
-def fill(m: KVCacheManager, kv: KVCache, seq_id: int, tokens: list[int], cache_salt: str | None = None) -> torch.Tensor:
-    """Run a sequence over ``tokens`` with random K/V in its blocks, cache its full blocks, free it;
-    returns the K/V of its full blocks (``[L, 2, H, n, BS, D]``)."""
+def fill(m: KVCacheManager, kv: KVCache, seq_id: int, tokens: list[int], cache_salt: str | None = None,
+         scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Run a sequence over ``tokens`` with random K/V in its blocks (a quantized pool: codes, with
+    ``scales``), cache its full blocks, free it; returns the K/V of its full blocks (``[L, 2, H, n, BS, D]``)."""
     assert m.allocate_slots(seq_id, 0, len(tokens))
     table = m.block_table(seq_id)
-    data = torch.randn(L, 2, H, len(table), BS, D).to(kv.dtype)
-    kv.import_blocks(table, {"kv": data})
+    data = torch.randn(L, 2, H, len(table), BS, D).mul(20).to(kv.dtype)
+    kv.import_blocks(table, {"kv": data} if scales is None else {"kv": data, "scales": scales})
     m.cache_full_blocks(seq_id, tokens, cache_salt)
     m.take_pending_copies()
     m.free(seq_id)
