@@ -252,18 +252,20 @@ def run(args) -> Report:
         })
     if rag:
         summary["rag_reuse_vs_lru_hit_tokens"] = rag[2]["hit_tokens"] / max(rag[1]["hit_tokens"], 1)
-    notes = [
-        f"chat: {s.conversations} conversations x {s.turns} turns over {s.systems} shared {s.system_tokens}-token "
-        f"system prompts, each conversation opening with its own {s.context_tokens} tokens, then "
-        f"{s.user_tokens}-token questions and {s.out_tokens}-token answers; working set "
-        f"{s.chat_working_set} blocks of {s.block_size}, pool (L1) {s.chat_l1} blocks, L2 {s.chat_l2} blocks; "
-        f"TTFT over returning turns (2..{s.turns}), each turn's requests arriving together.",
-        f"rag: {s.rag_requests} requests over {s.documents} {s.doc_tokens}-token documents, Zipf {args.zipf}, "
-        f"+{s.question_tokens}-token questions, arriving {s.rag_max_num_seqs} at a time; pool {s.rag_l1} blocks, L2 "
-        f"{s.rag_l2} blocks (an eighth of the documents); TTFT over all requests.",
-        f"dtype {resolve_dtype(args.dtype)}; max_num_seqs {s.max_num_seqs} (chat), {s.rag_max_num_seqs} (rag); "
-        "greedy, ignore_eos."
-    ]
+    notes = [(f"dtype {resolve_dtype(args.dtype)}; max_num_seqs {s.max_num_seqs} (chat), {s.rag_max_num_seqs} (rag); "
+              "greedy, ignore_eos.")]
+    if chat:
+        notes.append(f"chat: {s.conversations} conversations x {s.turns} turns over {s.systems} shared "
+                     f"{s.system_tokens}-token system prompts, each conversation opening with its own "
+                     f"{s.context_tokens} tokens, then {s.user_tokens}-token questions and {s.out_tokens}-token "
+                     f"answers; working set {s.chat_working_set} blocks of {s.block_size}, pool (L1) {s.chat_l1} "
+                     f"blocks, L2 {s.chat_l2} blocks; TTFT over returning turns (2..{s.turns}), each turn's requests "
+                     "arriving together.")
+    if rag:
+        notes.append(f"rag: {s.rag_requests} requests over {s.documents} {s.doc_tokens}-token documents, Zipf "
+                     f"{args.zipf}, +{s.question_tokens}-token questions, arriving {s.rag_max_num_seqs} at a time; "
+                     f"pool {s.rag_l1} blocks, L2 {s.rag_l2} blocks (an eighth of the documents); TTFT over all "
+                     "requests.")
     if chat:
         notes.append("targets (chat): returning-turn TTFT p50 3x lower than tiers off ({:.2f}x with L2, {:.2f}x with "
                      "L2 + L3); after a restart >= 90% of the returning turns' hit tokens ({:.0%}).".format(

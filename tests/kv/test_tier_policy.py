@@ -51,8 +51,9 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_reuse_admission_keeps_a_one_off_block_out():
-    from pagedllm.kv.host_tier import HostTier
     import torch
+
+    from pagedllm.kv.host_tier import HostTier
 
     shape = (1, 2, 1, 2, 2)
     tier = HostTier(2, shape, torch.float32, ReusePolicy())

@@ -42,7 +42,7 @@ def test_partial_pool_hit_promotes_only_the_missing_tail():
 
 
 def test_disk_tier_survives_a_restart(tmp_path):
-    m, kv, store = make_tiers(num_blocks=8, disk_path=str(tmp_path))
+    m, kv, _store = make_tiers(num_blocks=8, disk_path=str(tmp_path))
     tokens = prompt(3, 3)
     data = fill(m, kv, 1, tokens)
     m.close()  # saves the pool's cached blocks, waits for the writes
@@ -88,7 +88,7 @@ def test_tenant_salt_isolates_every_tier(tmp_path, where):
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_quantized_pools_move_codes_and_scales_through_the_tiers(tmp_path, dtype):
-    m, kv, store = make_tiers(num_blocks=8, host_slots=1, disk_path=str(tmp_path), dtype=dtype)
+    m, kv, _store = make_tiers(num_blocks=8, host_slots=1, disk_path=str(tmp_path), dtype=dtype)
     tokens = prompt(6, 3)
     # int8: a scale per block and head (4 blocks: 3 full + the partial one); fp8: the pool's per-head scales
     scales = torch.rand(2, 2, 2, 4) if dtype == torch.int8 else kv.scales.clone()
@@ -130,7 +130,7 @@ def test_attach_is_refused_after_traffic():
 
 def test_unregistered_blocks_are_never_demoted():
     """A block unregistered because its content is changing (or was never written) is not saved."""
-    m, kv, store = make_tiers(num_blocks=8, host_slots=16)
+    m, _kv, store = make_tiers(num_blocks=8, host_slots=16)
     tokens = prompt(20, 2)
     hashes = _chain(m, tokens + [0] * BS)[0][:2]
     writes = m.import_blocks(hashes, tokens[:2 * BS])
@@ -143,7 +143,7 @@ def test_unregistered_blocks_are_never_demoted():
 
 
 def test_a_promoted_run_that_does_not_fit_the_pool_is_not_served(caplog):
-    m, kv, store = make_tiers(num_blocks=8, host_slots=16)
+    m, kv, _store = make_tiers(num_blocks=8, host_slots=16)
     tokens = prompt(21, 3)
     fill(m, kv, 1, tokens)
     evict_all(m)

@@ -45,7 +45,7 @@ def test_tier_metrics_snapshot_and_dashboard(tiny_model_dir, tmp_path, browser):
         from selenium.webdriver.support.ui import WebDriverWait
 
         browser.get(f"{srv.url}/dashboard#key={srv.api_key}")
-        rows = lambda d: d.find_element(By.ID, "tier-rows").text  # noqa: E731
+        rows = lambda d: d.find_element(By.ID, "tier-rows").text
         WebDriverWait(browser, 60, poll_frequency=0.05).until(
             lambda d: d.find_element(By.ID, "tiers").is_displayed() and "host RAM" in rows(d))
         text = rows(browser)
