@@ -34,6 +34,7 @@ BENCHES = {
     "kvquant": "int8 / fp8 KV cache vs fp32: tokens per budget, perplexity, decode step at 1k-8k, W1",
     "refusal": "oversized input (10 MB body, 7.9 MB prompt, 100k enum): refusal latency, other clients' TTFT",
     "lora": "multi-LoRA: 1/8/64 adapters (Zipf) mixed in batches vs the base model vs HF + PEFT one at a time",
+    "tiers": "KV tiers (host RAM, disk) on multi-turn chat and Zipf RAG: off / L2 / L2+L3 / restart, eviction policies",
 }
 
 

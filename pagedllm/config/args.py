@@ -52,6 +52,11 @@ class EngineArgs:
     # issue 29: GPU memory sizing (vLLM's name): the KV pool gets this fraction of the card's memory less the
     # weights and the profiled peak of a forward at max_num_batched_tokens (CUDA; the CPU keeps kv_cache_fraction)
     gpu_memory_utilization: float = 0.9
+    # issue 31: KV tiers below the pool (L2 host RAM, L3 disk) and their eviction policy
+    kv_offload_memory: int = 0  # bytes of host RAM for blocks the pool evicts (L2); 0: none
+    kv_disk_path: str | None = None  # directory for the persistent disk tier (L3); None: none
+    kv_disk_size: int = 50 * 2**30  # bytes the disk tier may use
+    kv_eviction: str = "reuse"  # lru | reuse: what the tiers give up first
 
     def __post_init__(self) -> None:
         """Device-dependent defaults: a GPU serves 256 sequences and 8192-token steps without tuning."""

@@ -58,7 +58,16 @@ ENGINE_FLAG_HELP = {
                               "--kv-cache-memory or --num-blocks override it)",
 }
 
-SIZE_FIELDS = ("kv_cache_memory", "swap_space")
+ENGINE_FLAG_HELP.update({  # issue 31: KV tiers
+    "kv_offload_memory": "bytes of host RAM for KV blocks the pool evicts (L2), promoted back on a prefix hit "
+                         "instead of recomputed, units allowed (8GiB); 0: none",
+    "kv_disk_path": "directory for the persistent KV disk tier (L3): checksummed block files a restarted engine "
+                    "finds again; shared safely by several engines",
+    "kv_disk_size": "bytes the KV disk tier may use, units allowed (50GiB)",
+    "kv_eviction": "what the KV tiers give up first: lru, or reuse (decayed hit frequency plus prefix depth)",
+})
+
+SIZE_FIELDS = ("kv_cache_memory", "swap_space", "kv_offload_memory", "kv_disk_size")
 GIB_FIELDS = ("swap_space",)  # a plain number means GiB on the command line, as vLLM's --swap-space
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,

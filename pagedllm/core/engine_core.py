@@ -26,6 +26,7 @@ from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, NewSeqData, S
 from pagedllm.executor import Executor, make_executor
 from pagedllm.protocol.errors import WorkerError
 from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.kv.tier_setup import build_tiers
 
 log = logging.getLogger("pagedllm.core")
 
@@ -58,6 +59,9 @@ class EngineCore:
         self.kv_events = make_publisher(args.kv_events_config, spec.block_size)  # vLLM's KV events, or None
         if self.kv_events is not None:
             self.kv.prefix_cache.on_event = self.kv_events.record
+        if args.kv_offload_memory or args.kv_disk_path:  # issue 31: tiers below the pool
+            kv_cache = getattr(getattr(self.executor, "worker", None), "kv_cache", None)
+            self.kv.attach_tiers(*build_tiers(args, spec, kv_cache), kv_cache)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
@@ -403,7 +407,7 @@ class EngineCore:
     # ------------------------------------------------------------------ read-only views
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block (as vLLM's ``reset_prefix_cache``). Returns how many."""
-        return self.kv.prefix_cache.evict(self.kv.pool.num_cached_free)
+        return self.kv.reset_prefix_cache()
 
     def pool_stats(self) -> dict:
         """Gauges for metrics and the dashboard."""
@@ -437,6 +441,7 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
+        self.kv.close()  # the pool's cached blocks to the KV tiers (a restart finds them on disk)
         self.executor.shutdown()
 
 

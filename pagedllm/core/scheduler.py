@@ -283,6 +283,11 @@ class Scheduler:
                         req.seqs[0].token_ids, req.cache_salt, False, req.lora_id).num_tokens == 0:
                     deferred.append(req)
                     continue
+                if req.seqs[0].num_computed == 0 and self.kv.prefetch(  # its blocks are coming from a KV tier
+                        req.seqs[0].token_ids, req.cache_salt, wait=not out.chunks and not self.running,
+                        lora_id=req.lora_id):
+                    deferred.append(req)
+                    continue
                 if not self._try_admit(req, budget, out, scheduled):
                     self.waiting.appendleft(req)
                     return

@@ -13,13 +13,15 @@ from collections.abc import Callable, Iterator
 class Block:
     """One physical block. ``prev``/``next`` link it into a free queue (both None when in use)."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "depth", "hits", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None  # kept with the hash to verify prefix hits
+        self.depth = 0  # position in its prefix chain and prefix hits since hashed: what the
+        self.hits = 0  # tiers' reuse-aware eviction scores when the block is demoted
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -145,12 +147,14 @@ class BlockPool:
         if b.ref_count == 0:
             (self.unhashed if b.block_hash is None else self.cached).append(b)
 
-    def set_hash(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def set_hash(self, block_id: int, block_hash: int, token_ids: tuple[int, ...], depth: int = 0) -> None:
         b = self._block(block_id)
         if b.ref_count == 0:
             raise ValueError(f"cannot hash free block {block_id}")
         b.block_hash = block_hash
         b.token_ids = token_ids
+        b.depth = depth
+        b.hits = 0
 
     def drop_hash(self, b: Block) -> None:
         """Forget a block's hash (its content is gone or about to change); a free cached block

@@ -150,10 +150,15 @@ class KVCache:
         """The named device blocks as CPU tensors, to move them to another process's pool (prefix sharing,
         disaggregated prefill): ``kv`` ``[L, 2, Hkv, n, block_size, D]``, and for a quantized pool ``scales``
         (int8: ``[L, 2, Hkv, n]`` per block; fp8: the per-head ``[L, 2, Hkv, 1]``)."""
+        return {k: v.cpu() for k, v in self.gather_blocks(block_ids).items()}
+
+    def gather_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """:meth:`export_blocks` left on the pool's device: one index copy for all layers (a tier's
+        demotion orders it before the step's forward, and moves it to the host off that path)."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
-        out = {"kv": self._blocks(self.data).index_select(3, idx).view(self.dtype).cpu()}
+        out = {"kv": self._blocks(self.data).index_select(3, idx).view(self.dtype)}
         if self.scales is not None:
-            out["scales"] = (self.scales.index_select(3, idx) if self.dtype == torch.int8 else self.scales).cpu()
+            out["scales"] = self.scales.index_select(3, idx) if self.dtype == torch.int8 else self.scales.clone()
         return out
 
     def import_blocks(self, block_ids: list[int], data: dict[str, torch.Tensor]) -> None:

@@ -6,16 +6,30 @@ per step, before the forward: ``swap_out`` pairs, then ``swap_in`` pairs, then t
 pairs from ``take_pending_copies()``. Calling ``take_pending_copies()`` also ends the step: blocks
 that this step's copies still read (a CoW source whose last holder left, host blocks just
 swapped in) are only recycled then, so no copy of the step can read a block another one wrote.
+
+With KV tiers attached (``attach_tiers``: host RAM, disk), the cached blocks the pool evicts are saved
+there when the step's schedule ends, and ``prefetch`` brings a prompt's blocks back from them; see
+docs/architecture.md, "KV tiers".
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pagedllm.kv.block_pool import BlockPool
+import torch
+
+from pagedllm.kv.block_pool import Block, BlockPool
 from pagedllm.kv.block_table import BlockTable
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.kv_quant import raw
 from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, extra_keys_for, hash_block_chain
+from pagedllm.kv.tier_store import TierStore
+
+log = logging.getLogger(__name__)
 
 SeqId = Hashable
 BlockPairs = list[tuple[int, int]]
@@ -30,6 +44,18 @@ class _Seq:
     num_registered: int = 0  # leading full blocks already offered to the prefix cache
     host_blocks: list[int] | None = None  # where its KV lives while swapped out
     num_sent: int = 0  # leading table entries the worker holds unchanged (see take_table_diff)
+
+
+@dataclass(slots=True)
+class _Load:
+    """A promotion from disk in flight: blocks ``start..`` of a chain, landed when the future is done."""
+
+    future: Future
+    hashes: list[int]
+    token_ids: list[int]
+    extra: tuple
+    start: int
+    t0: float
 
 
 class KVCacheManager:
@@ -58,6 +84,10 @@ class KVCacheManager:
         self._host_ref = [0] * num_host_blocks  # swapped sequences holding each host block
         self._host_deferred: list[int] = []  # host blocks released this step (copies may still use them)
         self._swapped_in_now: set[SeqId] = set()
+        self.tiers: TierStore | None = None  # L2/L3 below the pool (attach_tiers)
+        self._kv_cache: KVCache | None = None
+        self._demote: list[tuple[int, int, tuple[int, ...], int, int]] = []  # evicted: id, hash, tokens, depth, hits
+        self._loads: dict[int, _Load] = {}  # disk promotions in flight, by the first block's hash
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -129,10 +159,10 @@ class KVCacheManager:
         k = len(st.hashes)
         if k < n_full:
             parent = st.hashes[-1] if k else None
-            extra = extra_keys_for(cache_salt, lora_id)
-            st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs, extra)
+            st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs,
+                                          extra_keys_for(cache_salt, lora_id), self.prefix_cache.key)
         for i in range(st.num_registered, n_full):
-            self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs],
+            self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs], i,
                                      st.hashes[i - 1] if i else None)
         st.num_registered = n_full
 
@@ -153,12 +183,21 @@ class KVCacheManager:
         if len(token_ids) != len(hashes) * bs:
             raise ValueError(f"token_ids: expected {len(hashes) * bs} ids for {len(hashes)} blocks, got {len(token_ids)}")
         extra = extra_keys_for(cache_salt)
-        if hash_block_chain(None, token_ids, bs, extra) != list(hashes):
+        if hash_block_chain(None, token_ids, bs, extra, self.prefix_cache.key) != list(hashes):
             raise ValueError("hashes: not this engine's chain hashes of token_ids "
                              "(engines sharing KV need the same hash key, block size and cache salt)")
-        pool = self.pool
+        return self._index_blocks(hashes, token_ids, extra)
+
+    def _index_blocks(self, hashes: Sequence[int], token_ids: Sequence[int], extra: tuple,
+                      start: int = 0) -> list[tuple[int, int]]:
+        """Give blocks ``start..`` of a chain missing from the pool a free block each and index them
+        (cached-free); ``[]`` when blocks before ``start`` are no longer cached. Returns the
+        ``(position, block)`` pairs whose K/V the caller writes now."""
+        pool, bs = self.pool, self.block_size
         # One extra token lifts match's "leave one token to compute" cap: every block is looked up.
-        held = self.prefix_cache.match([*token_ids, 0], extra, record=False).blocks
+        held = self.prefix_cache.match([*token_ids[:len(hashes) * bs], 0], extra, record=False).blocks
+        if len(held) < start:
+            return []
         for b in held:
             pool.incref(b)  # not evicted by the allocations below
         writes = []
@@ -167,11 +206,125 @@ class KVCacheManager:
                 break
             b = pool.allocate()
             held.append(b)
-            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs], hashes[i - 1] if i else None):
+            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs], i, hashes[i - 1] if i else None):
                 writes.append((i, b))
         for b in reversed(held):  # the tail is evicted first, as in free()
             pool.free(b)
+        self._flush_demotions()  # the allocations evicted blocks: save them before they are overwritten
         return writes
+
+    # ---- tiers below the pool (L2 host RAM, L3 disk) ---------------------------------------
+
+    def attach_tiers(self, tiers: TierStore, hash_key: bytes | None, kv_cache: KVCache) -> None:
+        """Demote the blocks the pool evicts to ``tiers`` (gathered from ``kv_cache``) and promote from
+        them on a prefix miss (``prefetch``). ``hash_key``: a stable key for a persistent disk tier."""
+        if len(self.prefix_cache) or self._seqs:
+            raise RuntimeError("attach tiers before the first request")
+        if kv_cache.num_blocks != self.num_blocks or kv_cache.block_size != self.block_size:
+            raise ValueError("kv_cache: its pool does not match this manager's")
+        self.tiers, self._kv_cache = tiers, kv_cache
+        if hash_key is not None:
+            self.prefix_cache.key = hash_key
+        self.prefix_cache.on_drop = self._on_drop
+
+    def _on_drop(self, b: Block) -> None:
+        if b.ref_count == 0 and b.block_hash is not None and b.token_ids is not None:
+            self._demote.append((b.block_id, b.block_hash, b.token_ids, b.depth, b.hits))
+
+    def _flush_demotions(self) -> None:
+        """Save the blocks evicted since the last flush: one gather for all of them, then L2/L3."""
+        if not self._demote or self.tiers is None or self._kv_cache is None:
+            self._demote.clear()
+            return
+        ids, hashes, tokens, depths, hits = zip(*self._demote)
+        self._demote.clear()
+        self.tiers.demote(hashes, tokens, depths, [1 + h for h in hits], self._kv_cache.gather_blocks(list(ids)))
+
+    def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None, wait: bool = False,
+                 lora_id: int = 0) -> bool:
+        """Promote the prompt's blocks that L2/L3 hold past its pool hit. An L2 run lands now (one
+        host-to-device copy); a run that needs the disk is read by the tier thread, and this returns
+        True until it lands, so the scheduler lets other requests run meanwhile (``wait``: nothing
+        else to run, so wait for it here). Waiting beats recomputing: a block from the tiers costs a
+        copy of its bytes, recomputing it a forward over its tokens (see bench/README.md, tiers)."""
+        if self.tiers is None or not self.enable_prefix_caching:
+            return False
+        self._land_finished()
+        bs, extra = self.block_size, extra_keys_for(cache_salt, lora_id)
+        n = max(len(token_ids) - 1, 0) // bs
+        l1 = self.prefix_cache.match(token_ids, extra, record=False)
+        k = len(l1.blocks)
+        if k >= n:
+            return False
+        hashes = l1.hashes + hash_block_chain(l1.hashes[-1] if k else None, token_ids[k * bs:n * bs], bs, extra,
+                                              self.prefix_cache.key)
+        load = self._loads.get(hashes[k])
+        if load is None:
+            tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(k, n)]
+            where = self.tiers.locate(hashes[k:], tokens)
+            if not where:
+                return False
+            m, t0 = len(where), time.perf_counter()
+            if "disk" not in where:
+                self._land(hashes[:k + m], token_ids, extra, k, self.tiers.load_host(hashes[k:k + m]), m, t0)
+                return False
+            load = self._loads[hashes[k]] = _Load(self.tiers.load_disk(hashes[k:k + m], tokens[:m], where),
+                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0)
+        if not wait:
+            return True
+        load.future.result()
+        self._land_finished()
+        return False
+
+    def _land_finished(self) -> None:
+        for key, ld in list(self._loads.items()):
+            if ld.future.done():
+                del self._loads[key]
+                data, m = ld.future.result()
+                if m:
+                    self._land(ld.hashes[:ld.start + m], ld.token_ids, ld.extra, ld.start, data, m, ld.t0)
+
+    def _land(self, hashes: list[int], token_ids: Sequence[int], extra: tuple, start: int, data: dict,
+              m: int, t0: float) -> None:
+        """Write promoted blocks ``start..start+m`` of a chain into free pool blocks, cached-free."""
+        assert self.tiers is not None and self._kv_cache is not None
+        writes = self._index_blocks(hashes, token_ids, extra, start)  # every position is >= start
+        if writes:
+            pos = [i - start for i, _ in writes]
+            idx = torch.tensor(pos, dtype=torch.int64)
+            sub = {"kv": raw(data["kv"]).index_select(3, idx).view(data["kv"].dtype)}
+            if "scales" in data:  # int8: per block; fp8: the per-head scales
+                sc = data["scales"]
+                sub["scales"] = sc.index_select(3, idx) if self._kv_cache.dtype == torch.int8 else sc
+            try:
+                self._kv_cache.import_blocks([b for _, b in writes], sub)
+            except ValueError:  # not this pool's layout: indexed but never written, so never hit
+                log.warning("KV tiers: a promoted run does not fit this pool; recomputing it", exc_info=True)
+                for _, b in writes:
+                    self.prefix_cache.remove(b)
+                return
+        self.tiers.record_promotion(time.perf_counter() - t0)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block without demoting it, and empty the host tier (the disk tier
+        is kept: it is the persistent one). Returns how many pool blocks were dropped."""
+        on_drop, self.prefix_cache.on_drop = self.prefix_cache.on_drop, None
+        try:
+            n = self.prefix_cache.evict(self.pool.num_cached_free)
+        finally:
+            self.prefix_cache.on_drop = on_drop
+        if self.tiers is not None and self.tiers.host is not None:
+            self.tiers.host.clear()
+        return n
+
+    def close(self) -> None:
+        """Save the pool's cached blocks to the tiers and wait for the disk writes (shutdown)."""
+        if self.tiers is None:
+            return
+        for b in list(self.pool.cached):
+            self._on_drop(b)
+        self._flush_demotions()
+        self.tiers.close()
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -278,7 +431,9 @@ class KVCacheManager:
         return keep, table[keep:]
 
     def take_pending_copies(self) -> BlockPairs:
-        """This step's copy-on-write copies as (src, dst) device blocks; ends the step."""
+        """This step's copy-on-write copies as (src, dst) device blocks; ends the step (and saves
+        the blocks it evicted to the tiers, before any copy or forward can overwrite them)."""
+        self._flush_demotions()
         pairs = [(src, dst) for dst, src in self._pending.items()]
         self._pending.clear()
         self._pending_src.clear()
@@ -435,6 +590,7 @@ class KVCacheManager:
             "hit_tokens": pc.hit_tokens,
             "hit_rate": pc.hit_tokens / pc.query_tokens if pc.query_tokens else 0.0,
             "request_hit_rate": pc.hits / pc.queries if pc.queries else 0.0,
+            **(self.tiers.describe() if self.tiers is not None else {}),
         }
 
     def _owners(self) -> dict[int, list[SeqId]]:
@@ -492,3 +648,5 @@ class KVCacheManager:
         idle = sorted(self._host_free + self._host_deferred)
         if idle != [h for h, n in enumerate(held) if n == 0]:
             raise AssertionError(f"free host blocks {idle} are not exactly the unheld ones")
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -47,23 +47,26 @@ def _extra_bytes(extra_keys: ExtraKeys) -> bytes:
     return repr(extra_keys).encode() if extra_keys else b""
 
 
-def _digest(parent_hash: int | None, token_bytes: bytes, extra: bytes) -> int:
+def _digest(parent_hash: int | None, token_bytes: bytes, extra: bytes, key: bytes | None = None) -> int:
     head = b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little")
     data = head + len(token_bytes).to_bytes(4, "little") + token_bytes + extra
-    return int.from_bytes(hashlib.blake2b(data, digest_size=16, key=HASH_KEY).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16, key=key or HASH_KEY).digest(), "little")
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return array("q", token_ids).tobytes()
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> int:
-    """Hash of one full block given its parent's hash (None for the first block)."""
-    return _digest(parent_hash, _token_bytes(token_ids), _extra_bytes(extra_keys))
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: ExtraKeys = (),
+               key: bytes | None = None) -> int:
+    """Hash of one full block given its parent's hash (None for the first block); ``key``
+    defaults to the process's ``HASH_KEY``."""
+    return _digest(parent_hash, _token_bytes(token_ids), _extra_bytes(extra_keys), key)
 
 
 def hash_block_chain(
-    parent_hash: int | None, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys = ()
+    parent_hash: int | None, token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys = (),
+    key: bytes | None = None,
 ) -> list[int]:
     """Hashes of the consecutive full blocks in ``token_ids`` (a trailing partial block is
     ignored), chained from ``parent_hash``; encodes the tokens once for the whole run."""
@@ -73,7 +76,7 @@ def hash_block_chain(
     step = block_size * 8
     out: list[int] = []
     for i in range(n):
-        parent_hash = _digest(parent_hash, buf[i * step : (i + 1) * step], extra)
+        parent_hash = _digest(parent_hash, buf[i * step : (i + 1) * step], extra, key)
         out.append(parent_hash)
     return out
 
@@ -91,8 +94,10 @@ class PrefixCache:
     """Index hash -> block over the pool's hashed blocks (in use or cached-free), with
     match / insert / evict / stats / check_integrity like mini-sglang's BasePrefixCache."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, key: bytes | None = None) -> None:
         self.pool = pool
+        self.key = key  # the hash key (None: the process's HASH_KEY); a persistent disk tier needs a stable one
+        self.on_drop: Callable[[Block], None] | None = None  # sees each block before its hash is forgotten
         self._index: dict[int, int] = {}
         pool.on_evict = self._forget
         # KV events (kv/kv_events.py): ("stored", hash, parent hash, token ids) or ("removed", hash)
@@ -106,6 +111,8 @@ class PrefixCache:
         return len(self._index)
 
     def _forget(self, b: Block) -> None:
+        if self.on_drop is not None:
+            self.on_drop(b)
         if b.block_hash is not None and self._index.get(b.block_hash) == b.block_id:
             del self._index[b.block_hash]
             if self.on_event is not None:
@@ -122,13 +129,15 @@ class PrefixCache:
         parent: int | None = None
         for i in range(max(len(token_ids) - 1, 0) // bs):
             chunk = token_ids[i * bs : (i + 1) * bs]
-            h = _digest(parent, _token_bytes(chunk), extra)
+            h = _digest(parent, _token_bytes(chunk), extra, self.key)
             bid = index.get(h)
             if bid is None or pool_blocks[bid].token_ids != tuple(chunk):
                 break
             blocks.append(bid)
             hashes.append(h)
             parent = h
+            if record:
+                pool_blocks[bid].hits += 1
         num = len(blocks) * bs
         if not record:
             return PrefixMatch(blocks, num, hashes)
@@ -138,21 +147,31 @@ class PrefixCache:
         self.hit_tokens += num
         return PrefixMatch(blocks, num, hashes)
 
-    def insert(self, block_id: int, block_hash: int, token_ids: Sequence[int], parent_hash: int | None = None) -> bool:
-        """Register an in-use full block under ``block_hash`` (``parent_hash``: the chain's previous block, for
-        KV events). False (nothing changes) when the block already has a hash or another block holds this content."""
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._index
+
+    def insert(self, block_id: int, block_hash: int, token_ids: Sequence[int], depth: int = 0,
+               parent_hash: int | None = None) -> bool:
+        """Register an in-use full block (the ``depth``-th of its chain; ``parent_hash``: the chain's previous
+        block, for KV events) under ``block_hash``. False (nothing changes) when the block already has a hash
+        or another block holds this content."""
         b = self.pool.blocks[block_id]
         if b.block_hash is not None or block_hash in self._index:
             return False
-        self.pool.set_hash(block_id, block_hash, tuple(token_ids))
+        self.pool.set_hash(block_id, block_hash, tuple(token_ids), depth)
         self._index[block_hash] = block_id
         if self.on_event is not None:
             self.on_event("stored", block_hash, parent_hash, tuple(token_ids))
         return True
 
     def remove(self, block_id: int) -> None:
-        """Unregister a block whose content is about to be overwritten."""
-        self.pool.drop_hash(self.pool.blocks[block_id])
+        """Unregister a block whose content is about to be overwritten (or was never written): not an
+        eviction, so ``on_drop`` does not see it."""
+        on_drop, self.on_drop = self.on_drop, None
+        try:
+            self.pool.drop_hash(self.pool.blocks[block_id])
+        finally:
+            self.on_drop = on_drop
 
     def evict(self, num_blocks: int) -> int:
         """Forget the hashes of up to ``num_blocks`` least recently freed cached blocks; returns

@@ -56,6 +56,7 @@ class TransferStats:
 def export_prefix(core: EngineCore, token_ids: list[int], cache_salt: str | None = None) -> KVBlocks | None:
     """The prompt's cached full blocks on ``core`` (None: none cached). Run between steps."""
     t0 = time.perf_counter()
+    core.kv.prefetch(token_ids, cache_salt, wait=True)  # what this replica's KV tiers hold comes in first
     m = core.kv.match_prefix(token_ids, cache_salt, record=False)
     if not m.blocks:
         return None

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedllm.protocol.outputs import RequestOutput
+from pagedllm.server.tier_metrics import TierCollector
 from pagedllm.server.vllm_metrics import VLLMMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -93,6 +94,8 @@ class ServerMetrics:
                                "Engine requests dropped unfinished (client went away, or the engine failed).",
                                registry=self.registry)
         self.vllm = VLLMMetrics(self.registry, model_name)
+        self.tiers = TierCollector()  # issue 31: KV tiers
+        self.registry.register(self.tiers)
 
     def observe_inter_token(self, seconds: float) -> None:
         self.inter_token.observe(seconds)
@@ -111,4 +114,5 @@ class ServerMetrics:
         """Prometheus text for this registry, with engine metrics from ``snapshot`` (pool_stats())."""
         self._engine.snapshot = snapshot
         self.vllm.snapshot = snapshot
+        self.tiers.snapshot = snapshot
         return generate_latest(self.registry)

@@ -16,6 +16,10 @@ _VLLM_ENGINE_METRICS = {
     "vllm:prefix_cache_queries": ("counter", "Prefix cache queries, in terms of number of queried tokens."),
     "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
     "vllm:num_preemptions": ("counter", "Cumulative number of preemptions."),
+    "vllm:external_prefix_cache_queries": ("counter", "External prefix cache queries from KV connector cross-instance "
+                                           "cache sharing, in terms of number of queried tokens."),
+    "vllm:external_prefix_cache_hits": ("counter", "External prefix cache hits from KV connector cross-instance "
+                                        "cache sharing, in terms of number of cached tokens."),
     "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
     "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
 }
@@ -25,6 +29,9 @@ def _values(s: dict) -> dict[str, float]:
     return {"vllm:num_requests_running": s["running"], "vllm:num_requests_waiting": s["waiting"],
             "vllm:kv_cache_usage_perc": s["usage"], "vllm:prefix_cache_queries": s["query_tokens"],
             "vllm:prefix_cache_hits": s["hit_tokens"], "vllm:num_preemptions": s["num_preemptions"],
+            # the KV tiers below the pool are where vLLM's offloading connector reports its hits
+            "vllm:external_prefix_cache_queries": s.get("tier_query_tokens", 0),
+            "vllm:external_prefix_cache_hits": s.get("tier_hit_tokens", 0),
             "vllm:prompt_tokens": s["prompt_tokens_computed"] + s["prompt_tokens_cached"],
             "vllm:generation_tokens": s["generation_tokens"]}
 

@@ -357,6 +357,26 @@
     if (!frame) frame = requestAnimationFrame(render);
   });
 
+  // ---------------------------------------------------------------- KV tiers (issue 31)
+  function mib(b) { return `${(b / 2 ** 20).toFixed(1)} MiB`; }
+
+  // One row per tier below the pool: occupancy, blocks promoted (hits) and demoted, bytes moved.
+  function renderTiers(s) {
+    const st = s.stats || {}, panel = $("tiers");
+    panel.hidden = st.promotions === undefined;
+    if (panel.hidden) return;
+    const rows = [["tier", "holds", "hits (blocks)", "promoted", "demoted"]];
+    if (st.host_tier_blocks !== undefined)
+      rows.push(["host RAM", `${st.host_tier_used} / ${st.host_tier_blocks} blocks`, st.host_tier_promoted_blocks,
+                 mib(st.host_tier_promoted_bytes), mib(st.host_tier_demoted_bytes)]);
+    if (st.disk_tier_bytes !== undefined)
+      rows.push([st.disk_tier_full ? "disk (full)" : "disk", `${mib(st.disk_tier_used_bytes)} / ${mib(st.disk_tier_bytes)}`,
+                 st.disk_tier_promoted_blocks, mib(st.disk_tier_promoted_bytes), mib(st.disk_tier_demoted_bytes)]);
+    rows.push(["", `promotion ${(1000 * st.promotion_seconds_mean).toFixed(1)} ms mean`, "", "", ""]);
+    $("tier-rows").innerHTML = rows.map((r, i) =>
+      `<tr>${r.map((c) => (i ? `<td>${c}</td>` : `<th>${c}</th>`)).join("")}</tr>`).join("");
+  }
+
   // ---------------------------------------------------------------- main
   function render() {
     frame = 0;
@@ -365,6 +385,7 @@
     drawGrid();
     drawCharts();
     renderRequests(snap);
+    renderTiers(snap);
     renderTip();
   }
 

@@ -1,0 +1,127 @@
+"""L2: KV blocks in host RAM below the pool, keyed by chain hash (pinned memory on CUDA).
+
+Blocks arrive as the batched ``KVCache.gather_blocks`` layout, ``kv`` ``[L, 2, Hkv, n, block_size,
+D]`` (plus int8 block scales ``[L, 2, Hkv, n]`` or fp8's per-head ``[L, 2, Hkv, 1]``), and leave the
+same way, so a run of blocks moves in one index copy. The tier thread stores, the engine thread
+looks up and loads: every method holds the tier's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from pagedllm.kv.kv_quant import raw
+from pagedllm.kv.tier_policy import LRUPolicy, ReusePolicy
+
+BlockData = dict[str, torch.Tensor]
+
+
+class HostTier:
+    """``num_slots`` block slots; a full tier evicts by ``policy`` to make room."""
+
+    def __init__(self, num_slots: int, block_shape: Sequence[int], dtype: torch.dtype,
+                 policy: LRUPolicy | ReusePolicy, pin_memory: bool = False) -> None:
+        if num_slots < 1:
+            raise ValueError(f"kv_offload_memory: holds no block (num_slots={num_slots})")
+        L, two, H, bs, D = block_shape
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.data = torch.empty((L, two, H, num_slots, bs, D), dtype=dtype, pin_memory=pin_memory)
+        self.block_scales = None  # int8: one scale per block and head
+        self.head_scales = None  # fp8: the pool's per-head scales, the same for every block
+        if dtype == torch.int8:
+            self.block_scales = torch.empty((L, two, H, num_slots), dtype=torch.float32, pin_memory=pin_memory)
+        self.policy = policy
+        self._slot: dict[int, int] = {}  # hash -> slot
+        self._tokens: dict[int, tuple[int, ...]] = {}  # hash -> token ids, verified on every hit
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def contains(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
+        with self._lock:
+            return self._tokens.get(block_hash) == token_ids
+
+    def put(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], depths: Sequence[int],
+            hits: Sequence[int], data: BlockData) -> list[int]:
+        """Store blocks ``data[..., i]`` under ``hashes[i]`` (ones already here are only touched);
+        returns the hashes evicted to make room."""
+        with self._lock:
+            new = [i for i, h in enumerate(hashes) if h not in self._slot][: self.num_slots]
+            for i, h in enumerate(hashes):
+                if h in self._slot:
+                    self.policy.touch(h, depths[i], hits[i])
+            short = len(new) - len(self._free)
+            evicted = []
+            if short > 0:  # the best newcomers take free slots first, then each replaces a victim it outscores
+                new.sort(key=lambda i: hits[i] + 1 / (1 + depths[i]), reverse=True)
+                victims = self.policy.victims(short)
+                keep = len(self._free)
+                for i, v in zip(new[keep:], victims):
+                    if not self.policy.admits(depths[i], hits[i], v):
+                        break
+                    evicted.append(v)
+                new = new[:keep + len(evicted)]
+            for h in evicted:
+                self.remove(h)
+            slots = [self._free.pop() for _ in new]
+            if new:
+                src = torch.tensor(new, dtype=torch.int64)
+                dst = torch.tensor(slots, dtype=torch.int64)
+                raw(self.data).index_copy_(3, dst, raw(data["kv"]).index_select(3, src))
+                if self.block_scales is not None:
+                    self.block_scales.index_copy_(3, dst, data["scales"].index_select(3, src))
+                elif "scales" in data:
+                    self.head_scales = data["scales"].clone()
+            for i, s in zip(new, slots):
+                self._slot[hashes[i]] = s
+                self._tokens[hashes[i]] = tokens[i]
+                self.policy.touch(hashes[i], depths[i], hits[i])
+            return evicted
+
+    def get(self, hashes: Sequence[int]) -> BlockData:
+        """The blocks under ``hashes`` (all present), as a new batch; counts as a hit on each."""
+        with self._lock:
+            idx = torch.tensor([self._slot[h] for h in hashes], dtype=torch.int64)
+            for h in hashes:
+                self.policy.touch(h)
+            out = {"kv": raw(self.data).index_select(3, idx).view(self.dtype)}
+            if self.block_scales is not None:
+                out["scales"] = self.block_scales.index_select(3, idx)
+            elif self.head_scales is not None:
+                out["scales"] = self.head_scales.clone()
+            return out
+
+    def remove(self, block_hash: int) -> None:
+        with self._lock:
+            slot = self._slot.pop(block_hash, None)
+            if slot is None:
+                return
+            del self._tokens[block_hash]
+            self.policy.remove(block_hash)
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        with self._lock:
+            for h in list(self._slot):
+                self.remove(h)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless free + used slots = total, one slot per hash, policy = index."""
+        with self._lock:
+            used = sorted(self._slot.values())
+            if len(set(used)) != len(used):
+                raise AssertionError("host tier: two hashes share a slot")
+            if sorted(used + self._free) != list(range(self.num_slots)):
+                raise AssertionError(f"host tier: free {len(self._free)} + used {len(used)} != total {self.num_slots}")
+            if self.policy.keys() != set(self._slot) or set(self._tokens) != set(self._slot):
+                raise AssertionError("host tier: eviction policy / token index disagree with the slot index")
