@@ -16,6 +16,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.protocol.step_io import NewSeqData, ScheduledSeq
+from pagedllm.worker.noise import noise_key
 
 
 @dataclass
@@ -50,6 +51,7 @@ class InputBatch:
         self.num_prompt = torch.zeros(n, dtype=torch.int64)
         self.num_blocks = torch.zeros(n, dtype=torch.int64)
         self.sample_index = torch.zeros(n, dtype=torch.int64)
+        self.noise_key = torch.zeros(n, dtype=torch.int64)  # the sampler's per-row noise key (worker/noise.py)
         self._grow(initial_rows)
 
     # ---------------------------------------------------------------- rows
@@ -63,7 +65,7 @@ class InputBatch:
             out[:old] = t
             return out
 
-        for name in ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks", "sample_index"):
+        for name in ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks", "sample_index", "noise_key"):
             setattr(self, name, widen(getattr(self, name)))
         self.params += [None] * (new - old)
         self.generators += [None] * (new - old)
@@ -94,16 +96,19 @@ class InputBatch:
         self.params[row] = new.params
         if not resync:
             self.generators[row] = make_generator(new.params, new.sample_index)
+            self.noise_key[row] = noise_key(new.params.seed, new.sample_index)
 
-    def fork(self, parent: int, child: int, sample_index: int, generator: torch.Generator | None) -> None:
-        """The child's row starts as a copy of the parent's (tokens, table, settings)."""
+    def fork(self, parent: int, child: int, sample_index: int) -> None:
+        """The child's row starts as a copy of the parent's (tokens, table, settings); its randomness is
+        its own sample index's (the same key drew its first token on the parent's row)."""
         src = self.row_of[parent]
         row = self._take_row(child)
         for t in (self.token_ids, self.block_table, self.num_tokens, self.num_prompt, self.num_blocks):
             t[row] = t[src]
         self.sample_index[row] = sample_index
         self.params[row] = self.params[src]
-        self.generators[row] = generator
+        self.generators[row] = make_generator(self.params[src], sample_index)
+        self.noise_key[row] = noise_key(self.params[src].seed, sample_index)
 
     def remove(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -160,7 +165,8 @@ class InputBatch:
 
 
 def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
-    """Seeded requests get one generator per sample, so their draws do not depend on batch mates."""
+    """Seeded requests get one generator per sample for draft verification (spec_verify), so its draws do
+    not depend on batch mates (the sampler uses the row's noise key instead)."""
     if params.seed is None:
         return None
     g = torch.Generator()

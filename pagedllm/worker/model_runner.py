@@ -14,7 +14,9 @@ from pagedllm.models.forward_pass import ForwardPass
 from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
 from pagedllm.structured.state import apply_bitmask
 from pagedllm.worker.cuda_graphs import DecodeGraphs
-from pagedllm.worker.input_batch import InputBatch, make_generator
+from pagedllm.worker.host_copy import to_host
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.noise import noise_key
 from pagedllm.worker.sampler import Sampler, SamplingBatch
 from pagedllm.worker.spec_verify import verify_drafts
 
@@ -29,21 +31,14 @@ class ModelRunner:
         self.batch = batch
         self.sampler = sampler
         self.graphs = graphs
-        self._pending_generators: dict[tuple[int, int], torch.Generator | None] = {}
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batch
         for parent, child, index in so.forks:
-            gen = self._pending_generators.pop((parent, index), None)
-            if gen is None:
-                gen = make_generator(batch.params[batch.row_of[parent]], index)
-            batch.fork(parent, child, index, gen)
+            batch.fork(parent, child, index)
         for sid in so.finished_seq_ids:
             batch.remove(sid)
-        if so.finished_seq_ids:
-            gone = set(so.finished_seq_ids)
-            self._pending_generators = {k: g for k, g in self._pending_generators.items() if k[0] not in gone}
         for new in so.new_seqs:
             batch.add(new)
         rows = [batch.apply(s) for s in so.scheduled]
@@ -129,54 +124,52 @@ class ModelRunner:
     def _sample(self, so: SchedulerOutput, rows: list[int], logits: torch.Tensor, sample_rows: list[int],
                 sample_keys: list[tuple[int, int]], outs: list[SeqOutput]) -> None:
         batch = self.batch
-        params, gens, brows = [], [], []
+        params, keys, brows = [], [], []
         for i, j in sample_keys:
             row = rows[i]
             p = batch.params[row]
             params.append(p)
             brows.append(row)
-            if j == 0:
-                gens.append(batch.generators[row])
-            else:  # a parallel sample's generator: it goes to the child row when the core forks it
-                g = make_generator(p, j)
-                self._pending_generators[(so.scheduled[i].seq_id, j)] = g
-                gens.append(g)
+            # a parallel sample draws with its own sample index's key (its child row gets the same when forked)
+            keys.append(int(batch.noise_key[row]) if j == 0 else noise_key(p.seed, j))
         try:
-            self._sample_rows(logits, sample_rows, sample_keys, params, gens, brows, rows, outs)
+            self._sample_rows(logits, sample_rows, sample_keys, params, keys, brows, rows, outs)
         except Exception:  # noqa: BLE001 - find the sequence(s) it belongs to; the others still get tokens
             log.exception("batched sampling failed; sampling sequence by sequence")
             for i in dict.fromkeys(i for i, _ in sample_keys):
                 sel = [r for r, (ii, _) in enumerate(sample_keys) if ii == i]
                 try:
                     self._sample_rows(logits, [sample_rows[r] for r in sel], [sample_keys[r] for r in sel],
-                                      [params[r] for r in sel], [gens[r] for r in sel], [brows[r] for r in sel],
+                                      [params[r] for r in sel], [keys[r] for r in sel], [brows[r] for r in sel],
                                       rows, outs)
                 except Exception as e:  # noqa: BLE001 - reported for this sequence alone
                     outs[i].token_ids, outs[i].logprobs = [], []
                     outs[i].error = f"sampling failed: {type(e).__name__}: {e}"
 
     def _sample_rows(self, logits: torch.Tensor, sample_rows: list[int], sample_keys: list[tuple[int, int]],
-                     params: list, gens: list, brows: list[int], rows: list[int], outs: list[SeqOutput]) -> None:
+                     params: list, keys: list[int], brows: list[int], rows: list[int], outs: list[SeqOutput]) -> None:
         batch = self.batch
         brow_t = torch.tensor(brows, dtype=torch.int64)
         num_tokens = batch.num_tokens[brow_t]
         penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
         hist = batch.token_ids[brow_t, : int(num_tokens.max())] if penalised else batch.token_ids[:0]
-        result = self.sampler(logits.index_select(0, torch.tensor(sample_rows)),
-                              SamplingBatch(params, gens, hist, batch.num_prompt[brow_t], num_tokens))
-        tokens, chosen = result.token_ids.tolist(), result.logprobs.tolist()
+        result = self.sampler(logits.index_select(0, torch.tensor(sample_rows, device=logits.device)),
+                              SamplingBatch(params, torch.tensor(keys, dtype=torch.int64), hist,
+                                            batch.num_prompt[brow_t], num_tokens))
+        tokens, chosen = (t.tolist() for t in to_host(result.token_ids, result.logprobs))
         for r, (i, j) in enumerate(sample_keys):
             out = outs[i]
             out.token_ids.append(tokens[r])
             out.logprobs.append(chosen[r])
         if result.top_ids is not None:
+            top_ids, top_vals = to_host(result.top_ids, result.top_logprobs)
             for i in dict.fromkeys(i for i, _ in sample_keys):
                 p = batch.params[rows[i]]
                 if p.logprobs is None:
                     continue
                 sel = [r for r, (ii, _) in enumerate(sample_keys) if ii == i]
                 width = 1 + p.logprobs
-                outs[i].top_logprobs = Logprobs(result.top_ids[sel, :width], result.top_logprobs[sel, :width])
+                outs[i].top_logprobs = Logprobs(top_ids[sel, :width], top_vals[sel, :width])
 
 
 def _ranked(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
