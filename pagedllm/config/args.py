@@ -38,6 +38,8 @@ class EngineArgs:
     ray_address: str | None = None  # an existing Ray cluster for the replicas; None: a local instance
     disaggregate: str | None = None  # "prefill=P,decode=D": prefill and decode on separate replicas
     seed: int = 0
+    # issue 30: async scheduling
+    async_scheduling: bool | None = None  # vLLM's name: schedule step N+1 before step N's tokens are back; None: on CUDA
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -45,7 +47,7 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             helptext = ENGINE_FLAG_HELP.get(f.name)  # tests/test_cli_flags.py requires one for every flag
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
             elif f.name in SIZE_FIELDS:
                 parser.add_argument(flag, type=parse_size, default=f.default, help=helptext)

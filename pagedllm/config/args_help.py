@@ -40,6 +40,9 @@ ENGINE_FLAG_HELP = {
                                     "engine and the server, the others execute its steps)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                           "(methods: ngram, suffix, draft_model with model or num_layers)",
+    "async_scheduling": "schedule step N+1 while step N runs; its sampled ids feed N+1 on the worker, and a stop "
+                        "found a step late is dropped (default: on for CUDA, off elsewhere; plain requests only: "
+                        "beam search, n > 1, speculative decoding and structured outputs run synchronously)",
 }
 
 SIZE_FIELDS = ("kv_cache_memory", "swap_space")

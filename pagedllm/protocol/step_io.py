@@ -17,6 +17,7 @@ import torch
 from pagedllm.protocol.sampling_params import SamplingParams
 
 BlockPairs = list[tuple[int, int]]
+PENDING_TOKEN = -1  # async scheduling: a token the worker sampled last step and the core has not seen yet
 
 
 @dataclass

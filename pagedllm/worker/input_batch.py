@@ -15,7 +15,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.protocol.sampling_params import SamplingParams
-from pagedllm.protocol.step_io import NewSeqData, ScheduledSeq
+from pagedllm.protocol.step_io import PENDING_TOKEN, NewSeqData, ScheduledSeq
 from pagedllm.worker.noise import noise_key
 
 
@@ -126,7 +126,10 @@ class InputBatch:
             end = start + len(s.new_token_ids)
             if end > self.max_model_len:
                 raise ValueError(f"sequence {s.seq_id} would exceed {self.max_model_len} tokens")
-            self.token_ids[row, start:end] = torch.as_tensor(s.new_token_ids, dtype=torch.int64)
+            new = torch.as_tensor(s.new_token_ids, dtype=torch.int64)
+            if min(s.new_token_ids) == PENDING_TOKEN:  # async scheduling: the worker wrote it when it sampled it
+                new = torch.where(new == PENDING_TOKEN, self.token_ids[row, start:end], new)
+            self.token_ids[row, start:end] = new
             self.num_tokens[row] = end
         if s.table_keep != int(self.num_blocks[row]) or s.new_block_ids:
             end = s.table_keep + len(s.new_block_ids)
@@ -141,6 +144,14 @@ class InputBatch:
         if k:  # drafts sit past the row's tokens (read as input, not counted as the sequence's own)
             self.token_ids[row, held:held + k] = torch.as_tensor(s.spec_token_ids, dtype=torch.int64)
         return row
+
+    def record_sampled(self, rows: list[int], token_ids: list[int]) -> None:
+        """Each row's sampled token goes just past its tokens (not counted as its own yet): the next
+        step's diff either repeats it or, under async scheduling, names it ``PENDING_TOKEN``."""
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        pos = self.num_tokens[row_t]
+        room = pos < self.max_model_len
+        self.token_ids[row_t[room], pos[room]] = torch.tensor(token_ids, dtype=torch.int64)[room]
 
     # ---------------------------------------------------------------- step
     def prepare(self, scheduled: list[ScheduledSeq], rows: list[int]) -> StepInputs:

@@ -161,6 +161,8 @@ class ModelRunner:
             out = outs[i]
             out.token_ids.append(tokens[r])
             out.logprobs.append(chosen[r])
+        firsts = [r for r, (_, j) in enumerate(sample_keys) if j == 0]
+        batch.record_sampled([brows[r] for r in firsts], [tokens[r] for r in firsts])
         if result.top_ids is not None:
             top_ids, top_vals = to_host(result.top_ids, result.top_logprobs)
             for i in dict.fromkeys(i for i, _ in sample_keys):
