@@ -32,6 +32,7 @@ BENCHES = {
     "attention": "attention backend microbenchmark",
     "structured": "grammar mask + accept per decode step vs the step itself (JSON schemas, batch 1..64)",
     "kvquant": "int8 / fp8 KV cache vs fp32: tokens per budget, perplexity, decode step at 1k-8k, W1",
+    "steptime": "host time of a decode step by part: schedule, worker prep, forward, sampler, detokenize",
 }
 
 
@@ -50,7 +51,7 @@ def _engine_overrides(items: list[str]) -> dict:
         if k not in fields:
             raise SystemExit(f"unknown engine arg {k!r}; see pagedllm/config/args.py")
         default = fields[k].default
-        if isinstance(default, bool):
+        if isinstance(default, bool) or fields[k].type == "bool | None":
             out[k] = v.lower() in ("1", "true", "yes", "on")
         elif isinstance(default, int) or k in ("num_blocks", "kv_cache_memory", "max_model_len"):
             out[k] = int(float(v))

@@ -17,7 +17,7 @@ from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.host_copy import to_host
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.noise import noise_key
-from pagedllm.worker.sampler import Sampler, SamplingBatch
+from pagedllm.worker.sampler import Sampler, SamplingBatch, is_plain
 from pagedllm.worker.spec_verify import verify_drafts
 
 log = logging.getLogger("pagedllm.worker")
@@ -51,9 +51,32 @@ class ModelRunner:
         if not so.scheduled:
             return ModelRunnerOutput()
         inp = batch.prepare(so.scheduled, rows)
+        if self.graphs is not None and self.graphs.can_run(inp.meta) and self._plain_step(so, rows):
+            return self._graph_step(so, rows, inp)
         forward = self.forward_pass.forward if self.graphs is None else self.graphs.forward
         hidden = forward(inp.input_ids, inp.meta)
         return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
+
+    def _plain_step(self, so: SchedulerOutput, rows: list[int]) -> bool:
+        """Every sequence samples one token with plain settings (``is_plain``): the step fits one graph."""
+        return so.grammar_bitmask is None and all(
+            s.needs_logits and s.num_samples == 1 and not s.beam_topk and s.prompt_logprobs is None
+            and not s.spec_token_ids and is_plain(self.batch.params[r]) for s, r in zip(so.scheduled, rows))
+
+    def _graph_step(self, so: SchedulerOutput, rows: list[int], inp) -> ModelRunnerOutput:
+        """The whole decode step replayed from one graph; only the sampled ids and logprobs come back."""
+        batch = self.batch
+        ordered = [rows[i] for i in inp.order]
+        row_t = torch.tensor(ordered, dtype=torch.int64)
+        dev = inp.input_ids.device
+        tokens, lps = self.graphs.forward_sample(inp.input_ids, inp.meta, [batch.params[r].temperature for r in ordered],
+                                                 batch.noise_key[row_t].to(dev), batch.num_tokens[row_t].to(dev))
+        tokens, lps = (t.tolist() for t in to_host(tokens, lps))
+        outs = [SeqOutput(s.seq_id) for s in so.scheduled]
+        for k, i in enumerate(inp.order):
+            outs[i].token_ids, outs[i].logprobs = [tokens[k]], [lps[k]]
+        batch.record_sampled(ordered, tokens)
+        return ModelRunnerOutput(outs)
 
     def _outputs(self, so: SchedulerOutput, rows: list[int], order: list[int], qsl: list[int],
                  hidden: torch.Tensor) -> ModelRunnerOutput:

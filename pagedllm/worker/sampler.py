@@ -112,6 +112,29 @@ def sample_random(logits: torch.Tensor, params: list[SamplingParams], noise_keys
     return (scaled.softmax(-1) / exponential_noise(noise_keys, counters, vocab)).argmax(-1)
 
 
+def is_plain(p: SamplingParams) -> bool:
+    """Greedy or temperature-only sampling of the chosen token's logprob: what :func:`sample_plain` does
+    (no filter, penalty, bias, min_tokens or top logprobs), so it can run inside a decode graph."""
+    return (p.top_k <= 0 and p.top_p == 1.0 and p.min_p == 0.0 and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias and not p.min_tokens
+            and p.logprobs is None)
+
+
+def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, noise_keys: torch.Tensor, counters: torch.Tensor,
+                 random: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and their logprobs for rows of plain settings (temperature 0: greedy), by one fixed sequence of
+    ops with every setting read from tensors: capturable in a graph. ``random`` False: every row is greedy.
+    Draws what :class:`Sampler` draws for the same rows."""
+    logits = logits.float()
+    tokens = logits.argmax(-1)
+    if random:
+        t = temperature[:, None]
+        probs = (logits / torch.where(t > 0, t, torch.ones_like(t))).softmax(-1)
+        drawn = (probs / exponential_noise(noise_keys, counters, logits.shape[1])).argmax(-1)
+        tokens = torch.where(temperature > 0, drawn, tokens)
+    return tokens, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = list(eos_token_ids)
