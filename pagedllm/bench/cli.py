@@ -32,6 +32,7 @@ BENCHES = {
     "attention": "attention backend microbenchmark",
     "structured": "grammar mask + accept per decode step vs the step itself (JSON schemas, batch 1..64)",
     "kvquant": "int8 / fp8 KV cache vs fp32: tokens per budget, perplexity, decode step at 1k-8k, W1",
+    "gpu": "GPU workloads (256 requests, W1 x 1024, batch-1 decode vs the roofline) vs HF generate / generate_batch",
     "steptime": "host time of a decode step by part: schedule, worker prep, forward, sampler, detokenize",
 }
 
