@@ -80,7 +80,7 @@ def _sync(device: torch.device) -> None:
 
 def ours(llm, reqs: list[BenchRequest]) -> float:
     """Output tokens per second of our engine over ``reqs`` (greedy, ignore_eos)."""
-    from pagedllm import SamplingParams
+    from pagedllm.protocol import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def hf_generate_batch(model, tok, reqs: list[BenchRequest], max_batch_tokens: in
 
 def decode_ms(llm, tokens: int, vocab: int, seed: int) -> float:
     """Batch-1 decode ms per token: (finish - first token) / (tokens - 1) of one 32-token prompt."""
-    from pagedllm import SamplingParams
+    from pagedllm.protocol import SamplingParams
 
     req = requests(1, (32, 32), (tokens, tokens), vocab, seed)[0]
     eng = llm.engine
@@ -144,7 +144,7 @@ def decode_ms(llm, tokens: int, vocab: int, seed: int) -> float:
 def run(args) -> Report:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedllm import LLM
+    from pagedllm.entrypoints.llm import LLM
     from pagedllm.config.device import resolve_dtype
 
     quick = args.quick

@@ -55,7 +55,7 @@ def timed_parts(totals: dict[str, float]):
 
 def _breakdown(llm, batch: int, steps: int, temperature: float) -> dict[str, float]:
     """Mean ms per decode step of each part, over ``steps`` steps of ``batch`` sequences (prefill excluded)."""
-    from pagedllm import SamplingParams
+    from pagedllm.protocol import SamplingParams
 
     eng = llm.engine
     params = SamplingParams(temperature=temperature, max_tokens=steps + 2, ignore_eos=True, seed=1 if temperature else None)
@@ -79,7 +79,7 @@ def _breakdown(llm, batch: int, steps: int, temperature: float) -> dict[str, flo
 def run(args) -> Report:
     import torch
 
-    from pagedllm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     sizes = [1, 4] if args.quick else [1, 16, 64]
     steps = 4 if args.quick else 32
