@@ -10,8 +10,6 @@ and the same op serves the whole batch. The mixer is the 32-bit integer hash wit
 
 from __future__ import annotations
 
-import random
-
 import torch
 
 _MUL = 0x45D9F3B
@@ -41,9 +39,10 @@ def _mix64_host(x: int) -> int:
 
 
 def noise_key(seed: int | None, sample_index: int) -> int:
-    """A row's 32-bit noise key: fixed by (seed, sample index) for a seeded request, random otherwise."""
+    """A row's 32-bit noise key: fixed by (seed, sample index) for a seeded request, else drawn from torch's
+    global generator (seeded by the engine; tensor-parallel ranks draw alike, so they sample alike)."""
     if seed is None:
-        return random.getrandbits(32)
+        return int(torch.randint(0, 1 << 32, (1,)))
     return _mix64_host(seed * 1_000_003 + sample_index) >> 32
 
 
