@@ -18,7 +18,7 @@ from pagedllm.config.args import EngineArgs
 from pagedllm.core.beam_search import BeamSearch
 from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest, SeqDelta
 from pagedllm.protocol.limits import RequestLimits
-from pagedllm.core.scheduler import Schedule, Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Schedule, ScheduledChunk, Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Request, Sequence, SequenceStatus
 from pagedllm.core.speculation import Speculator
 from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq, SchedulerOutput
@@ -237,7 +237,7 @@ class EngineCore:
         self._update(step.sched, step.so, step.ro, step.computed)
         self._finish_step(step.sched, step.t0)
 
-    def _advance(self, c) -> None:
+    def _advance(self, c: ScheduledChunk) -> None:
         """The chunk's tokens have K/V now."""
         seq = c.seq
         self.stats.prompt_tokens_computed += max(
@@ -307,7 +307,10 @@ class EngineCore:
             if computed is None:
                 self._advance(c)
             elif not seq.status.is_running:  # preempted while in flight: its blocks are gone or on the host
-                self._take_samples(seq, out)
+                if out.error is not None:
+                    self.abort_request(req.request_id, error=out.error)
+                else:
+                    self._take_samples(seq, out)
                 continue
             ids = seq.token_ids
             if c.num_spec:  # rejected drafts: their KV is not the sequence's; only verified tokens are hashed
