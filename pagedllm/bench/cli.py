@@ -35,6 +35,8 @@ BENCHES = {
     "refusal": "oversized input (10 MB body, 7.9 MB prompt, 100k enum): refusal latency, other clients' TTFT",
     "lora": "multi-LoRA: 1/8/64 adapters (Zipf) mixed in batches vs the base model vs HF + PEFT one at a time",
     "tiers": "KV tiers (host RAM, disk) on multi-turn chat and Zipf RAG: off / L2 / L2+L3 / restart, eviction policies",
+    "gpu": "GPU workloads (256 requests, W1 x 1024, batch-1 decode vs the roofline) vs HF generate / generate_batch",
+    "steptime": "host time of a decode step by part: schedule, worker prep, forward, sampler, detokenize",
 }
 
 
@@ -53,7 +55,7 @@ def _engine_overrides(items: list[str]) -> dict:
         if k not in fields:
             raise SystemExit(f"unknown engine arg {k!r}; see pagedllm/config/args.py")
         default = fields[k].default
-        if isinstance(default, bool):
+        if isinstance(default, bool) or fields[k].type == "bool | None":
             out[k] = v.lower() in ("1", "true", "yes", "on")
         elif isinstance(default, int) or k in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
                                               "max_num_batched_tokens"):

@@ -57,6 +57,8 @@ class EngineArgs:
     kv_disk_path: str | None = None  # directory for the persistent disk tier (L3); None: none
     kv_disk_size: int = 50 * 2**30  # bytes the disk tier may use
     kv_eviction: str = "reuse"  # lru | reuse: what the tiers give up first
+    # issue 30: async scheduling
+    async_scheduling: bool | None = None  # vLLM's name: schedule step N+1 before step N's tokens are back; None: on CUDA
 
     def __post_init__(self) -> None:
         """Device-dependent defaults: a GPU serves 256 sequences and 8192-token steps without tuning."""
@@ -74,7 +76,7 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             helptext = ENGINE_FLAG_HELP.get(f.name)  # tests/test_cli_flags.py requires one for every flag
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
             elif f.name in SIZE_FIELDS:
                 kind = parse_gib_size if f.name in GIB_FIELDS else parse_size

@@ -56,6 +56,9 @@ ENGINE_FLAG_HELP = {
     "gpu_memory_utilization": "fraction of the GPU's memory this engine may use: the KV pool gets it less the weights "
                               "and the peak of a profiled forward at --max-num-batched-tokens (CUDA only; "
                               "--kv-cache-memory or --num-blocks override it)",
+    "async_scheduling": "schedule step N+1 while step N runs; its sampled ids feed N+1 on the worker, and a stop "
+                        "found a step late is dropped (default: on for CUDA, off elsewhere; plain requests only: "
+                        "beam search, n > 1, speculative decoding and structured outputs run synchronously)",
 }
 
 ENGINE_FLAG_HELP.update({  # issue 31: KV tiers

@@ -19,7 +19,7 @@ from pagedllm.core.beam_search import BeamSearch
 from pagedllm.kv.kv_events import make_publisher
 from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest, SeqDelta
 from pagedllm.protocol.limits import RequestLimits
-from pagedllm.core.scheduler import Schedule, Scheduler, SchedulerConfig
+from pagedllm.core.scheduler import Schedule, ScheduledChunk, Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Request, Sequence, SequenceStatus
 from pagedllm.core.speculation import Speculator
 from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq, SchedulerOutput
@@ -29,6 +29,17 @@ from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.kv.tier_setup import build_tiers
 
 log = logging.getLogger("pagedllm.core")
+
+
+@dataclass
+class InFlightStep:
+    """A step run but not folded in yet (async scheduling)."""
+
+    sched: Schedule
+    so: SchedulerOutput
+    ro: ModelRunnerOutput
+    t0: float
+    computed: dict[int, int]  # seq id -> computed tokens right after this step
 
 
 @dataclass
@@ -77,6 +88,9 @@ class EngineCore:
         self._released: list[int] = []  # sequences the worker can drop
         self._outputs: dict[str, tuple[Request, EngineCoreOutput]] = {}  # this step's, by request
         self._recovering = False  # the last step failed and its requests are being retried
+        self.async_scheduling = (spec.device.startswith("cuda") if args.async_scheduling is None
+                                 else args.async_scheduling)
+        self._in_flight: InFlightStep | None = None  # async scheduling: the step whose tokens are not folded in yet
 
     # ------------------------------------------------------------------ requests
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -110,6 +124,7 @@ class EngineCore:
         for s in req.seqs:
             if not s.finished:
                 s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
+            s.drop_pending()
             self._released.append(s.seq_id)
             if self._structured is not None:  # an aborted structured sequence's grammar state goes too
                 self._structured.free(s.seq_id)
@@ -130,7 +145,10 @@ class EngineCore:
             self._retire(req, time.monotonic())
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Work queued, or a step in flight with a sequence still going (one whose sequences all stopped a
+        step late has nothing to show: the next step folds it in)."""
+        step = self._in_flight
+        return self.scheduler.has_work() or (step is not None and not all(c.seq.finished for c in step.sched.chunks))
 
     @property
     def structured(self):
@@ -157,6 +175,7 @@ class EngineCore:
     def release_seq(self, seq: Sequence, reason: str = "abort") -> None:
         """Drop a sequence that will not continue (its blocks and its worker row)."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.drop_pending()
         if self.kv.has_seq(seq.seq_id):
             self.kv.free(seq.seq_id)
         if self._structured is not None:
@@ -170,16 +189,22 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduler step; returns the outputs of requests that made progress."""
+        """Run one scheduler step; returns the outputs of requests that made progress. Under async
+        scheduling a step of plain requests stays in flight: the next call schedules and runs the next
+        step (its sequences' last tokens are ``PENDING_TOKEN`` places the worker fills) before folding
+        this one's tokens in, so outputs come one call later."""
         t0 = time.monotonic()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         so = self._worker_step(sched)
+        prev, self._in_flight = self._in_flight, None
         if not sched.chunks:
             if so.swap_out or so.swap_in or so.copies or so.forks or so.finished_seq_ids:
                 self.executor.execute(so)
-            if self.scheduler.has_work() and not sched.swap_in and not sched.preempted:
+            if prev is not None:
+                self._resolve(prev)
+            elif self.scheduler.has_work() and not sched.swap_in and not sched.preempted:
                 raise RuntimeError("scheduler made no progress: the pool cannot hold any waiting request")
             return self._take_outputs()
         try:
@@ -187,12 +212,51 @@ class EngineCore:
         except WorkerError:
             raise  # the worker process is gone: nothing to retry on
         except Exception as e:  # noqa: BLE001 - pinned on this step's new requests, or retried once
+            if prev is not None:
+                self._resolve(prev)
             self._recover(sched, so, e)
             return self._take_outputs()
         self._recovering = False
-        self._update(sched, so, ro)
-        self._finish_step(sched, t0)
+        if self._overlaps(sched):
+            self._in_flight = InFlightStep(sched, so, ro, t0, self._advance_in_flight(sched))
+        if prev is not None:
+            self._resolve(prev)
+        if self._in_flight is None:
+            self._update(sched, so, ro)
+            self._finish_step(sched, t0)
         return self._take_outputs()
+
+    def _overlaps(self, sched: Schedule) -> bool:
+        """Whether this step may stay in flight: async scheduling on, and only plain requests in it (beam
+        search, parallel samples, drafts and grammars need their tokens before the next step is made)."""
+        if not self.async_scheduling or self.speculator is not None:
+            return False
+        return all(not p.use_beam_search and (p.best_of or p.n) == 1 and p.structured_outputs is None
+                   for p in (c.seq.request.params for c in sched.chunks))
+
+    def _advance_in_flight(self, sched: Schedule) -> dict[int, int]:
+        """Count a step in flight as computed now, and hold a place for each token it samples, so the next
+        schedule sees where every sequence will be. Returns each sequence's computed count after it."""
+        computed = {}
+        for c in sched.chunks:
+            samples = c.completes
+            self._advance(c)
+            computed[c.seq.seq_id] = c.seq.num_computed
+            if samples:
+                c.seq.add_pending()
+        return computed
+
+    def _resolve(self, step: InFlightStep) -> None:
+        """Fold in a step that was in flight (its outputs are ready once the next step is running)."""
+        self._update(step.sched, step.so, step.ro, step.computed)
+        self._finish_step(step.sched, step.t0)
+
+    def _advance(self, c: ScheduledChunk) -> None:
+        """The chunk's tokens have K/V now."""
+        seq = c.seq
+        self.stats.prompt_tokens_computed += max(
+            0, min(seq.num_prompt_tokens, seq.num_computed + c.num_tokens) - seq.num_computed)
+        seq.num_computed += c.num_tokens
 
     def _recover(self, sched: Schedule, so: SchedulerOutput, e: Exception) -> None:
         """A failed step: its new requests are aborted with the error; every other request of the step
@@ -244,17 +308,25 @@ class EngineCore:
                 so.grammar_bitmask, so.grammar_rows = filled
         return so
 
-    def _update(self, sched: Schedule, so: SchedulerOutput, ro: ModelRunnerOutput) -> None:
+    def _update(self, sched: Schedule, so: SchedulerOutput, ro: ModelRunnerOutput,
+                computed: dict[int, int] | None = None) -> None:
+        """Fold a step's outputs in; ``computed``: it was in flight and already advanced (each sequence's
+        computed count right after it, what its hashed blocks cover)."""
         salt_of = self.kv.cache_full_blocks
         beams: list[tuple[Sequence, Logprobs]] = []
         for c, out in zip(sched.chunks, ro.outputs):
             seq = c.seq
             req = seq.request
-            if req.request_id not in self.requests:  # aborted earlier in this loop
+            if req.request_id not in self.requests or seq.finished:  # aborted, or stopped while in flight
                 continue
-            prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed + c.num_tokens) - seq.num_computed)
-            self.stats.prompt_tokens_computed += prompt_part
-            seq.num_computed += c.num_tokens
+            if computed is None:
+                self._advance(c)
+            elif not seq.status.is_running:  # preempted while in flight: its blocks are gone or on the host
+                if out.error is not None:
+                    self.abort_request(req.request_id, error=out.error)
+                else:
+                    self._take_samples(seq, out)
+                continue
             ids = seq.token_ids
             if c.num_spec:  # rejected drafts: their KV is not the sequence's; only verified tokens are hashed
                 kept = max(len(out.token_ids) - 1, 0)
@@ -264,7 +336,8 @@ class EngineCore:
                 seq.spec_token_ids = []
                 if kept:  # the kept drafts' KV is in the pool before they join token_ids below
                     ids = ids + out.token_ids[:kept]
-            salt_of(seq.seq_id, ids, req.cache_salt, num_computed=seq.num_computed, lora_id=req.lora_id)
+            salt_of(seq.seq_id, ids, req.cache_salt,
+                    num_computed=seq.num_computed if computed is None else computed[seq.seq_id], lora_id=req.lora_id)
             if out.error is not None:
                 self.abort_request(req.request_id, error=out.error)
                 continue
@@ -273,17 +346,7 @@ class EngineCore:
             if out.beam_topk is not None:
                 beams.append((seq, out.beam_topk))
                 continue
-            try:
-                if c.num_spec:
-                    for tok, lp in zip(out.token_ids, out.logprobs):  # kept drafts, then the target's token
-                        self.append_token(seq, tok, lp, None)
-                        if seq.finished:
-                            break
-                elif out.token_ids:
-                    self._append_samples(seq, out)
-            except Exception as e:  # noqa: BLE001 - stopping or a grammar failed for this request alone
-                log.exception("request %s failed while taking its tokens", req.request_id)
-                self.abort_request(req.request_id, error=f"serving this request failed: {type(e).__name__}: {e}")
+            self._take_samples(seq, out, c.num_spec)
         self.stats.prompt_tokens_cached += sched.num_prefix_hit_tokens
         if beams:
             self.beam.step(beams)
@@ -293,6 +356,21 @@ class EngineCore:
                 req.metrics.first_token_time = now
             if req.finished:
                 self._retire(req, now)
+
+    def _take_samples(self, seq: Sequence, out, num_spec: int = 0) -> None:
+        """Append a step's tokens for ``seq`` (and stop it where a rule says so)."""
+        req = seq.request
+        try:
+            if num_spec:
+                for tok, lp in zip(out.token_ids, out.logprobs):  # kept drafts, then the target's token
+                    self.append_token(seq, tok, lp, None)
+                    if seq.finished:
+                        break
+            elif out.token_ids:
+                self._append_samples(seq, out)
+        except Exception as e:  # noqa: BLE001 - stopping or a grammar failed for this request alone
+            log.exception("request %s failed while taking its tokens", req.request_id)
+            self.abort_request(req.request_id, error=f"serving this request failed: {type(e).__name__}: {e}")
 
     def _append_samples(self, seq: Sequence, out) -> None:
         """Append the sampled token(s); a request's first token for n samples forks the others."""
@@ -309,7 +387,7 @@ class EngineCore:
         p = seq.request.params
         if self._structured is not None and self._structured.accept([seq.seq_id], [token]):
             raise RuntimeError(f"sequence {seq.seq_id} sampled token {token}, which its grammar forbids")
-        seq.token_ids.append(token)
+        seq.append(token)
         seq.cumulative_logprob += logprob
         self.stats.generation_tokens += 1
         d = self._delta(seq)
@@ -324,7 +402,8 @@ class EngineCore:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, stop_reason = "stop", token
-        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        done = seq.num_tokens - seq.num_pending  # tokens sampled by a step in flight do not count yet
+        if reason is None and (done - seq.num_prompt_tokens >= p.max_tokens or done >= self.max_model_len):
             reason = "length"
         if reason is not None:
             self.finish(seq, reason, stop_reason)

@@ -150,6 +150,8 @@ class Scheduler:
         for seq in req.seqs:
             if seq.finished or seq.seq_id in scheduled or seq.num_uncomputed == 0:
                 continue
+            if seq.num_pending and seq.num_output_tokens >= req.params.max_tokens:
+                continue  # its last token is being sampled by the step in flight (async scheduling)
             prefix = None
             if (prefix_first and seq.num_computed == 0 and self.config.enable_prefix_caching
                     and req.params.prompt_logprobs is None):  # prompt logprobs need every position computed

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pagedllm.protocol.lora_request import LoRARequest, lora_id_of
 from pagedllm.protocol.outputs import RequestMetrics
 from pagedllm.protocol.sampling_params import SamplingParams
+from pagedllm.protocol.step_io import PENDING_TOKEN
 
 
 class SequenceStatus(enum.Enum):
@@ -35,7 +36,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed", "num_sent",
-        "status", "finish_reason", "stop_reason", "cumulative_logprob", "spec_token_ids",
+        "status", "finish_reason", "stop_reason", "cumulative_logprob", "spec_token_ids", "num_pending",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]):
@@ -51,6 +52,26 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step (never hashed)
+        self.num_pending = 0  # trailing PENDING_TOKENs: sampled by a step in flight (async scheduling)
+
+    def add_pending(self) -> None:
+        """A step in flight will sample this sequence's next token: hold its place (async scheduling)."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def append(self, token: int) -> None:
+        """A sampled token: it fills the oldest pending place, if any, else goes at the end."""
+        if self.num_pending:
+            self.token_ids[len(self.token_ids) - self.num_pending] = token
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token)
+
+    def drop_pending(self) -> None:
+        """A finished sequence forgets the tokens its steps in flight will sample (never shown)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,16 @@ def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+def _fused_cuda(*tensors: torch.Tensor | None):
+    """The fused Triton kernels (ops/triton_fused.py, imported on first CUDA use) when every tensor (None aside)
+    is contiguous on CUDA and triton is installed; else None."""
+    if not all(t is None or (t.is_cuda and t.is_contiguous()) for t in tensors):
+        return None
+    from pagedllm.ops import triton_fused
+
+    return triton_fused if triton_fused.HAS_TRITON else None
+
+
 def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``h += delta`` in place (the residual add; skipped when ``delta`` is None), then ``rms_norm(h)``.
 
@@ -56,6 +66,8 @@ def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     if h.dim() == 2 and weight.dim() == 1 and _fp32_cpu(h, weight, delta):
         if ops.load("fused_ops"):
             return torch.ops.pagedllm.add_rms_norm.default(h, delta, weight, eps)
+    elif h.dim() == 2 and weight.dim() == 1 and weight.dtype == h.dtype and (fused := _fused_cuda(h, delta, weight)):
+        return fused.add_rms_norm_triton(h, delta, weight, eps)
     if delta is not None:
         h.add_(delta)
     return rms_norm(h, weight, eps)
@@ -66,6 +78,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dim() == 2 and _fp32_cpu(gate_up):
         if ops.load("fused_ops"):
             return torch.ops.pagedllm.silu_mul.default(gate_up)
+    elif gate_up.dim() == 2 and (fused := _fused_cuda(gate_up)):
+        return fused.silu_mul_triton(gate_up)
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
@@ -128,6 +142,9 @@ def apply_rope_heads_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: t
         if ops.load("fused_ops"):
             torch.ops.pagedllm.rope.default(x, cos, sin, num_heads)
             return
+    elif x.dim() == 2 and (fused := _fused_cuda(x, cos, sin)):
+        fused.rope_qkv_triton(x, num_heads, cos, sin)
+        return
     d = 2 * cos.shape[-1]
     apply_rope_(x[:, : num_heads * d].view(x.shape[0], num_heads, d), cos, sin)
 

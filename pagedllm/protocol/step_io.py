@@ -18,6 +18,7 @@ from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.protocol.sampling_params import SamplingParams
 
 BlockPairs = list[tuple[int, int]]
+PENDING_TOKEN = -1  # async scheduling: a token the worker sampled last step and the core has not seen yet
 
 
 @dataclass

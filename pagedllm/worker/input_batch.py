@@ -15,7 +15,8 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.protocol.sampling_params import SamplingParams
-from pagedllm.protocol.step_io import NewSeqData, ScheduledSeq
+from pagedllm.protocol.step_io import PENDING_TOKEN, NewSeqData, ScheduledSeq
+from pagedllm.worker.noise import noise_key
 
 
 @dataclass
@@ -52,6 +53,7 @@ class InputBatch:
         self.num_blocks = torch.zeros(n, dtype=torch.int64)
         self.sample_index = torch.zeros(n, dtype=torch.int64)
         self.lora_id = torch.zeros(n, dtype=torch.int64)  # issue 32: each row's adapter (0: base)
+        self.noise_key = torch.zeros(n, dtype=torch.int64)  # the sampler's per-row noise key (worker/noise.py)
         self._grow(initial_rows)
 
     # ---------------------------------------------------------------- rows
@@ -65,7 +67,8 @@ class InputBatch:
             out[:old] = t
             return out
 
-        for name in ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks", "sample_index", "lora_id"):
+        for name in ("token_ids", "block_table", "num_tokens", "num_prompt", "num_blocks", "sample_index", "noise_key",
+                     "lora_id"):
             setattr(self, name, widen(getattr(self, name)))
         self.params += [None] * (new - old)
         self.generators += [None] * (new - old)
@@ -97,16 +100,19 @@ class InputBatch:
         self.params[row] = new.params
         if not resync:
             self.generators[row] = make_generator(new.params, new.sample_index)
+            self.noise_key[row] = noise_key(new.params.seed, new.sample_index)
 
-    def fork(self, parent: int, child: int, sample_index: int, generator: torch.Generator | None) -> None:
-        """The child's row starts as a copy of the parent's (tokens, table, settings)."""
+    def fork(self, parent: int, child: int, sample_index: int) -> None:
+        """The child's row starts as a copy of the parent's (tokens, table, settings); its randomness is
+        its own sample index's (the same key drew its first token on the parent's row)."""
         src = self.row_of[parent]
         row = self._take_row(child)
         for t in (self.token_ids, self.block_table, self.num_tokens, self.num_prompt, self.num_blocks, self.lora_id):
             t[row] = t[src]
         self.sample_index[row] = sample_index
         self.params[row] = self.params[src]
-        self.generators[row] = generator
+        self.generators[row] = make_generator(self.params[src], sample_index)
+        self.noise_key[row] = noise_key(self.params[src].seed, sample_index)
 
     def remove(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -124,7 +130,10 @@ class InputBatch:
             end = start + len(s.new_token_ids)
             if end > self.max_model_len:
                 raise ValueError(f"sequence {s.seq_id} would exceed {self.max_model_len} tokens")
-            self.token_ids[row, start:end] = torch.as_tensor(s.new_token_ids, dtype=torch.int64)
+            new = torch.as_tensor(s.new_token_ids, dtype=torch.int64)
+            if min(s.new_token_ids) == PENDING_TOKEN:  # async scheduling: the worker wrote it when it sampled it
+                new = torch.where(new == PENDING_TOKEN, self.token_ids[row, start:end], new)
+            self.token_ids[row, start:end] = new
             self.num_tokens[row] = end
         if s.table_keep != int(self.num_blocks[row]) or s.new_block_ids:
             end = s.table_keep + len(s.new_block_ids)
@@ -139,6 +148,14 @@ class InputBatch:
         if k:  # drafts sit past the row's tokens (read as input, not counted as the sequence's own)
             self.token_ids[row, held:held + k] = torch.as_tensor(s.spec_token_ids, dtype=torch.int64)
         return row
+
+    def record_sampled(self, rows: list[int], token_ids: list[int]) -> None:
+        """Each row's sampled token goes just past its tokens (not counted as its own yet): the next
+        step's diff either repeats it or, under async scheduling, names it ``PENDING_TOKEN``."""
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        pos = self.num_tokens[row_t]
+        room = pos < self.max_model_len
+        self.token_ids[row_t[room], pos[room]] = torch.tensor(token_ids, dtype=torch.int64)[room]
 
     # ---------------------------------------------------------------- step
     def prepare(self, scheduled: list[ScheduledSeq], rows: list[int]) -> StepInputs:
@@ -165,7 +182,8 @@ class InputBatch:
 
 
 def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
-    """Seeded requests get one generator per sample, so their draws do not depend on batch mates."""
+    """Seeded requests get one generator per sample for draft verification (spec_verify), so its draws do
+    not depend on batch mates (the sampler uses the row's noise key instead)."""
     if params.seed is None:
         return None
     g = torch.Generator()

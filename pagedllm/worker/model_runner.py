@@ -15,8 +15,10 @@ from pagedllm.models.forward_pass import ForwardPass
 from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
 from pagedllm.structured.state import apply_bitmask
 from pagedllm.worker.cuda_graphs import DecodeGraphs
-from pagedllm.worker.input_batch import InputBatch, make_generator
-from pagedllm.worker.sampler import Sampler, SamplingBatch
+from pagedllm.worker.host_copy import to_host
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.noise import noise_key
+from pagedllm.worker.sampler import Sampler, SamplingBatch, is_plain
 from pagedllm.worker.spec_verify import verify_drafts
 
 log = logging.getLogger("pagedllm.worker")
@@ -31,21 +33,14 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.lora = lora  # issue 32: the adapters' slots (None: LoRA off)
-        self._pending_generators: dict[tuple[int, int], torch.Generator | None] = {}
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batch
         for parent, child, index in so.forks:
-            gen = self._pending_generators.pop((parent, index), None)
-            if gen is None:
-                gen = make_generator(batch.params[batch.row_of[parent]], index)
-            batch.fork(parent, child, index, gen)
+            batch.fork(parent, child, index)
         for sid in so.finished_seq_ids:
             batch.remove(sid)
-        if so.finished_seq_ids:
-            gone = set(so.finished_seq_ids)
-            self._pending_generators = {k: g for k, g in self._pending_generators.items() if k[0] not in gone}
         for new in so.new_seqs:
             batch.add(new)
             if new.lora is not None:
@@ -63,15 +58,38 @@ class ModelRunner:
         lora = None if inp.lora_ids is None else self._lora_manager().step(inp.lora_ids)
         if lora is not None:  # adapters run eagerly (graphs hold the base model's path)
             hidden = self.forward_pass.forward(inp.input_ids, inp.meta, lora)
-        else:
-            forward = self.forward_pass.forward if self.graphs is None else self.graphs.forward
-            hidden = forward(inp.input_ids, inp.meta)
+            return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
+        if self.graphs is not None and self.graphs.can_run(inp.meta) and self._plain_step(so, rows):
+            return self._graph_step(so, rows, inp)
+        forward = self.forward_pass.forward if self.graphs is None else self.graphs.forward
+        hidden = forward(inp.input_ids, inp.meta)
         return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
 
     def _lora_manager(self) -> LoRAManager:
         if self.lora is None:
             raise ValueError("a sequence asks for a LoRA adapter but this engine was started without enable_lora")
         return self.lora
+
+    def _plain_step(self, so: SchedulerOutput, rows: list[int]) -> bool:
+        """Every sequence samples one token with plain settings (``is_plain``): the step fits one graph."""
+        return so.grammar_bitmask is None and all(
+            s.needs_logits and s.num_samples == 1 and not s.beam_topk and s.prompt_logprobs is None
+            and not s.spec_token_ids and is_plain(self.batch.params[r]) for s, r in zip(so.scheduled, rows))
+
+    def _graph_step(self, so: SchedulerOutput, rows: list[int], inp) -> ModelRunnerOutput:
+        """The whole decode step replayed from one graph; only the sampled ids and logprobs come back."""
+        batch = self.batch
+        ordered = [rows[i] for i in inp.order]
+        row_t = torch.tensor(ordered, dtype=torch.int64)
+        dev = inp.input_ids.device
+        tokens, lps = self.graphs.forward_sample(inp.input_ids, inp.meta, [batch.params[r].temperature for r in ordered],
+                                                 batch.noise_key[row_t].to(dev), batch.num_tokens[row_t].to(dev))
+        tokens, lps = (t.tolist() for t in to_host(tokens, lps))
+        outs = [SeqOutput(s.seq_id) for s in so.scheduled]
+        for k, i in enumerate(inp.order):
+            outs[i].token_ids, outs[i].logprobs = [tokens[k]], [lps[k]]
+        batch.record_sampled(ordered, tokens)
+        return ModelRunnerOutput(outs)
 
     def _outputs(self, so: SchedulerOutput, rows: list[int], order: list[int], qsl: list[int],
                  hidden: torch.Tensor) -> ModelRunnerOutput:
@@ -142,54 +160,54 @@ class ModelRunner:
     def _sample(self, so: SchedulerOutput, rows: list[int], logits: torch.Tensor, sample_rows: list[int],
                 sample_keys: list[tuple[int, int]], outs: list[SeqOutput]) -> None:
         batch = self.batch
-        params, gens, brows = [], [], []
+        params, keys, brows = [], [], []
         for i, j in sample_keys:
             row = rows[i]
             p = batch.params[row]
             params.append(p)
             brows.append(row)
-            if j == 0:
-                gens.append(batch.generators[row])
-            else:  # a parallel sample's generator: it goes to the child row when the core forks it
-                g = make_generator(p, j)
-                self._pending_generators[(so.scheduled[i].seq_id, j)] = g
-                gens.append(g)
+            # a parallel sample draws with its own sample index's key (its child row gets the same when forked)
+            keys.append(int(batch.noise_key[row]) if j == 0 else noise_key(p.seed, j))
         try:
-            self._sample_rows(logits, sample_rows, sample_keys, params, gens, brows, rows, outs)
+            self._sample_rows(logits, sample_rows, sample_keys, params, keys, brows, rows, outs)
         except Exception:  # noqa: BLE001 - find the sequence(s) it belongs to; the others still get tokens
             log.exception("batched sampling failed; sampling sequence by sequence")
             for i in dict.fromkeys(i for i, _ in sample_keys):
                 sel = [r for r, (ii, _) in enumerate(sample_keys) if ii == i]
                 try:
                     self._sample_rows(logits, [sample_rows[r] for r in sel], [sample_keys[r] for r in sel],
-                                      [params[r] for r in sel], [gens[r] for r in sel], [brows[r] for r in sel],
+                                      [params[r] for r in sel], [keys[r] for r in sel], [brows[r] for r in sel],
                                       rows, outs)
                 except Exception as e:  # noqa: BLE001 - reported for this sequence alone
                     outs[i].token_ids, outs[i].logprobs = [], []
                     outs[i].error = f"sampling failed: {type(e).__name__}: {e}"
 
     def _sample_rows(self, logits: torch.Tensor, sample_rows: list[int], sample_keys: list[tuple[int, int]],
-                     params: list, gens: list, brows: list[int], rows: list[int], outs: list[SeqOutput]) -> None:
+                     params: list, keys: list[int], brows: list[int], rows: list[int], outs: list[SeqOutput]) -> None:
         batch = self.batch
         brow_t = torch.tensor(brows, dtype=torch.int64)
         num_tokens = batch.num_tokens[brow_t]
         penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
         hist = batch.token_ids[brow_t, : int(num_tokens.max())] if penalised else batch.token_ids[:0]
-        result = self.sampler(logits.index_select(0, torch.tensor(sample_rows)),
-                              SamplingBatch(params, gens, hist, batch.num_prompt[brow_t], num_tokens))
-        tokens, chosen = result.token_ids.tolist(), result.logprobs.tolist()
+        result = self.sampler(logits.index_select(0, torch.tensor(sample_rows, device=logits.device)),
+                              SamplingBatch(params, torch.tensor(keys, dtype=torch.int64), hist,
+                                            batch.num_prompt[brow_t], num_tokens))
+        tokens, chosen = (t.tolist() for t in to_host(result.token_ids, result.logprobs))
         for r, (i, j) in enumerate(sample_keys):
             out = outs[i]
             out.token_ids.append(tokens[r])
             out.logprobs.append(chosen[r])
+        firsts = [r for r, (_, j) in enumerate(sample_keys) if j == 0]
+        batch.record_sampled([brows[r] for r in firsts], [tokens[r] for r in firsts])
         if result.top_ids is not None:
+            top_ids, top_vals = to_host(result.top_ids, result.top_logprobs)
             for i in dict.fromkeys(i for i, _ in sample_keys):
                 p = batch.params[rows[i]]
                 if p.logprobs is None:
                     continue
                 sel = [r for r, (ii, _) in enumerate(sample_keys) if ii == i]
                 width = 1 + p.logprobs
-                outs[i].top_logprobs = Logprobs(result.top_ids[sel, :width], result.top_logprobs[sel, :width])
+                outs[i].top_logprobs = Logprobs(top_ids[sel, :width], top_vals[sel, :width])
 
 
 def _ranked(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:

@@ -1,9 +1,13 @@
-"""Sampling for the whole batch at once: logit bias, penalties, temperature, top-k/p, min-p, logprobs.
+"""Sampling for the whole batch at once: logit bias, penalties, min_tokens, temperature, top-k/p, min-p,
+logprobs, with no host sync.
 
-Every transform is one tensor op over ``[rows, vocab]``, with each row's settings gathered from
-the persistent batch; only the random draw of a seeded request uses its own generator (so its
-samples do not depend on its batch mates). Logprobs come back as tensors, never as per-token
-dicts of Python objects (they are what a step returns for thousands of tokens at once).
+Every transform is one tensor op over ``[rows, vocab]``; each row's settings are gathered into tensors
+once per step (one host-to-device copy) from the host-side ``SamplingParams``, and which rows are
+greedy or filtered is decided on the host from those params, never by reading a device tensor back.
+The random draw is the exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``, whose noise is a
+counter-based hash of (the row's noise key, the sequence's length, the token id) (:mod:`noise`): a
+seeded request's samples depend on its seed, sample index and position only, never on its batch
+mates, with no per-row generator and no ``torch.multinomial``. Logprobs come back as tensors.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from pagedllm.protocol.logit_bias import apply_logit_bias
 from pagedllm.protocol.sampling_params import SamplingParams
+from pagedllm.worker.noise import exponential_noise
 
 
 @dataclass
@@ -21,10 +26,10 @@ class SamplingBatch:
     """The settings and histories of the rows being sampled, one entry per logits row."""
 
     params: list[SamplingParams]
-    generators: list[torch.Generator | None]
+    noise_keys: torch.Tensor  # [R] int64: each row's 32-bit noise key (seed and sample index, or random)
     token_ids: torch.Tensor  # [R, width] prompt + output so far (only read when a penalty is set)
     num_prompt: torch.Tensor  # [R]
-    num_tokens: torch.Tensor  # [R]
+    num_tokens: torch.Tensor  # [R]: the sequence's length, also the noise's counter
 
 
 @dataclass
@@ -35,56 +40,99 @@ class SampleResult:
     top_logprobs: torch.Tensor | None
 
 
+def row_settings(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row settings as a tensor on ``device``: through pinned memory, without waiting, on an accelerator."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition (prompt + output), presence and frequency (output) penalties, as in vLLM: counts
-    come from one scatter over the rows' token histories."""
+    come from one scatter over the rows' token histories (``batch.token_ids``, as wide as the longest)."""
     params = batch.params
     if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params):
         return logits
     rows, vocab = logits.shape
-    width = int(batch.num_tokens.max())
-    toks = batch.token_ids[:, :width]
-    pos = torch.arange(width)[None, :]
-    valid = pos < batch.num_tokens[:, None]
-    is_out = valid & (pos >= batch.num_prompt[:, None])
-    counts = torch.zeros((rows, vocab + 1), dtype=logits.dtype)
+    dev = logits.device
+    toks = batch.token_ids.to(dev)
+    pos = torch.arange(toks.shape[1], device=dev)[None, :]
+    valid = pos < batch.num_tokens.to(dev)[:, None]
+    is_out = valid & (pos >= batch.num_prompt.to(dev)[:, None])
+    counts = torch.zeros((rows, vocab + 1), dtype=logits.dtype, device=dev)
     counts.scatter_add_(1, torch.where(is_out, toks, vocab), torch.ones_like(toks, dtype=logits.dtype))
     counts = counts[:, :vocab]
-    seen = torch.zeros((rows, vocab + 1), dtype=torch.bool)
+    seen = torch.zeros((rows, vocab + 1), dtype=torch.bool, device=dev)
     seen.scatter_(1, torch.where(valid, toks, vocab), True)
     seen = seen[:, :vocab]
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)[:, None]
-    return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+    rep, freq, pres = row_settings([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+                                   logits.dtype, dev).unbind(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None]), logits)
+    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
 
 
 def suppress_stop_tokens(logits: torch.Tensor, batch: SamplingBatch, eos_ids: list[int]) -> torch.Tensor:
-    """min_tokens: stop tokens cannot be sampled before a sequence has that many outputs."""
-    rows, cols = [], []
-    num_out = (batch.num_tokens - batch.num_prompt).tolist()
-    for i, p in enumerate(batch.params):
-        if num_out[i] < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-            rows += [i] * len(banned)
-            cols += sorted(banned)
-    if rows:
-        logits = logits.clone()
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
-    return logits
+    """min_tokens: stop tokens cannot be sampled before a sequence has that many outputs (the count is
+    compared on the device; the banned ids of each row are padded with its first)."""
+    banned = [sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))) if p.min_tokens else []
+              for p in batch.params]
+    width = max(map(len, banned))
+    if not width:
+        return logits
+    dev = logits.device
+    ids = row_settings([b + (b[:1] or [0]) * (width - len(b)) for b in banned], torch.int64, dev)
+    min_tokens = row_settings([p.min_tokens for p in batch.params], torch.int64, dev)
+    early = (batch.num_tokens - batch.num_prompt).to(dev) < min_tokens
+    vals = logits.gather(1, ids).masked_fill(early[:, None], float("-inf"))
+    return logits.scatter(1, ids, vals)
 
 
 def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask tokens outside top-k, the top-p nucleus and the min-p floor (per-row settings)."""
     sorted_logits, idx = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
-    ranks = torch.arange(scaled.shape[1])[None, :]
+    ranks = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
     drop = ranks >= top_k[:, None]
     drop |= (probs.cumsum(-1) - probs) > top_p[:, None]  # the most likely token always stays
     drop |= probs < min_p[:, None] * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, idx, sorted_logits)
+
+
+def sample_random(logits: torch.Tensor, params: list[SamplingParams], noise_keys: torch.Tensor,
+                  counters: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row (all rows have a temperature > 0): temperature, top-k/p and min-p, then
+    the exponential race over the row's hashed noise."""
+    dev, vocab = logits.device, logits.shape[1]
+    temps = row_settings([p.temperature for p in params], logits.dtype, dev)
+    scaled = logits / temps[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        top_k = row_settings([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64, dev)
+        top_p, min_p = row_settings([[p.top_p, p.min_p] for p in params], logits.dtype, dev).unbind(1)
+        scaled = filter_logits(scaled, top_k, top_p, min_p)
+    return (scaled.softmax(-1) / exponential_noise(noise_keys, counters, vocab)).argmax(-1)
+
+
+def is_plain(p: SamplingParams) -> bool:
+    """Greedy or temperature-only sampling of the chosen token's logprob: what :func:`sample_plain` does
+    (no filter, penalty, bias, min_tokens or top logprobs), so it can run inside a decode graph."""
+    return (p.top_k <= 0 and p.top_p == 1.0 and p.min_p == 0.0 and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias and not p.min_tokens
+            and p.logprobs is None)
+
+
+def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, noise_keys: torch.Tensor, counters: torch.Tensor,
+                 random: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and their logprobs for rows of plain settings (temperature 0: greedy), by one fixed sequence of
+    ops with every setting read from tensors: capturable in a graph. ``random`` False: every row is greedy.
+    Draws what :class:`Sampler` draws for the same rows."""
+    logits = logits.float()
+    tokens = logits.argmax(-1)
+    if random:
+        t = temperature[:, None]
+        probs = (logits / torch.where(t > 0, t, torch.ones_like(t))).softmax(-1)
+        drawn = (probs / exponential_noise(noise_keys, counters, logits.shape[1])).argmax(-1)
+        tokens = torch.where(temperature > 0, drawn, tokens)
+    return tokens, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
 
 
 class Sampler:
@@ -93,31 +141,22 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         params = batch.params
+        dev = logits.device
         logits = logits.float().clone() if any(p.logit_bias for p in params) else logits.float()
         apply_logit_bias(logits, [p.logit_bias for p in params])
         logits = apply_penalties(logits, batch)
         logits = suppress_stop_tokens(logits, batch, self.eos_token_ids)
-        vocab = logits.shape[1]
         logprobs_all = logits.log_softmax(-1)
-
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-        greedy = temps == 0
         tokens = logits.argmax(-1)
-        if not bool(greedy.all()):
-            scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
-                top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-                min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
-                scaled = filter_logits(scaled, top_k, top_p, min_p)
-            probs = scaled.softmax(-1)
-            # exponential race: argmax(p / E) with E ~ Exp(1) draws from p
-            noise = torch.empty_like(probs).exponential_()
-            for i, g in enumerate(batch.generators):
-                if g is not None:
-                    noise[i].exponential_(generator=g)
-            sampled = (probs / noise).argmax(-1)
-            tokens = torch.where(greedy, tokens, sampled)
+        rand = [i for i, p in enumerate(params) if p.temperature > 0]  # decided on the host, from the params
+        if len(rand) == len(params):
+            tokens = sample_random(logits, params, batch.noise_keys.to(dev), batch.num_tokens.to(dev))
+        elif rand:
+            idx = row_settings(rand, torch.int64, dev)
+            drawn = sample_random(logits.index_select(0, idx), [params[i] for i in rand],
+                                  batch.noise_keys.to(dev).index_select(0, idx),
+                                  batch.num_tokens.to(dev).index_select(0, idx))
+            tokens = tokens.index_copy(0, idx, drawn)
 
         chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
         asked = [p.logprobs for p in params if p.logprobs is not None]

@@ -110,7 +110,7 @@ def test_penalties_change_distribution_vectorised():
     logits = torch.randn(3, 50)
     settings = [dict(repetition_penalty=1.5), dict(presence_penalty=0.7, frequency_penalty=0.3), dict()]
     history = torch.tensor([[1, 2, 3, 7, 7, 9, 0, 0]] * 3)  # prompt [1, 2, 3], outputs [7, 7, 9], then padding
-    batch = SamplingBatch([SamplingParams(**kw) for kw in settings], [None] * 3, history,
+    batch = SamplingBatch([SamplingParams(**kw) for kw in settings], torch.zeros(3, dtype=torch.int64), history,
                           torch.tensor([3, 3, 3]), torch.tensor([6, 6, 6]))
     got = apply_penalties(logits.clone(), batch)
     want = logits.clone()

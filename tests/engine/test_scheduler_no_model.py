@@ -38,7 +38,7 @@ class FakeExecutor(Executor):
         self.steps.append(so)
         b = self.batch
         for parent, child, index in so.forks:
-            b.fork(parent, child, index, None)
+            b.fork(parent, child, index)
         for sid in so.finished_seq_ids:
             b.remove(sid)
         for new in so.new_seqs:

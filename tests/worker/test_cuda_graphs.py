@@ -66,6 +66,8 @@ def test_capture_sizes():
     assert capture_sizes(12) == [1, 2, 4, 8, 12]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(10_000)[-1] == 512
+    big = capture_sizes(512)
+    assert big[:4] == [1, 2, 4, 8] and big[big.index(256) + 1] == 272 and len(big) == 3 + 32 + 16
 
 
 def test_decode_steps_replay_the_eager_results_and_padding_writes_only_the_scratch_block(model):
@@ -165,3 +167,28 @@ def test_engine_greedy_with_decode_graphs_equals_eager(tiny_model_dir, monkeypat
     assert all(graphs.replays[b] for b in (1, 2, 4))  # 3 decodes (bucket 4), then 2, then 1
     assert llm.engine.kv.num_blocks == eager.engine.kv.num_blocks - 1
     assert eager.engine.core.executor.worker.model_runner.graphs is None
+
+
+def test_whole_decode_step_in_one_graph_samples_as_the_eager_sampler(tiny_model_dir, monkeypatch):
+    """Decode steps whose rows are all plain (greedy or temperature only, seeded here) run forward, LM head
+    and sampler from one graph and draw the eager engine's tokens; a step with a row that needs the full
+    sampler (top-k, logprobs) replays the forward-only graph and samples eagerly, with the same result."""
+    prompts = [[5, 17, 300, 42] * 3, [7, 8, 9], [100, 200, 300, 400, 500], [9, 9, 9, 9]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=4, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=5, top_k=20, logprobs=2, max_tokens=3, ignore_eos=True)]
+    kw = dict(attention_backend="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+              check_integrity=True)
+    eager = LLM(tiny_model_dir, enforce_eager=True, **kw)
+    want = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+            for o in eager.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(cuda_graphs, "graph_capture", lambda device: RerunCapture())
+    llm = LLM(tiny_model_dir, **kw)
+    got = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+           for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert [g[1] for g in got] == pytest.approx([w[1] for w in want], abs=1e-4)
+    graphs = llm.engine.core.executor.worker.model_runner.graphs
+    assert graphs.variant_replays["sample"] and graphs.variant_replays["hidden"]
+    assert llm.engine.kv.stats()["used"] == 0
