@@ -54,5 +54,6 @@ def exponential_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) ->
     row = mix32(keys32 ^ mix32(counters.to(torch.int32) * _GOLDEN))
     col = mix32(torch.arange(vocab, device=dev, dtype=torch.int32).mul_(_GOLDEN))
     bits = mix32(row[:, None] ^ col[None, :]).bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)  # 24 uniform bits
-    # u in (0, 1): log never sees 0
-    return bits.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24)).log_().neg_()
+    # u in (0, 1): log never sees 0, and never 1 either: (2**24 - 1) + 0.5 rounds to 2**24 in float32, and an E of
+    # -0.0 would turn every masked (zero-probability) token into 0 / -0 = NaN, which argmax picks
+    return bits.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24)).clamp_(max=1.0 - 2.0**-24).log_().neg_()

@@ -29,12 +29,16 @@ def test_step_messages_round_trip():
         decode(encode({"not": "a step"}))  # type: ignore[arg-type]
 
 
-def test_device_and_dtype_resolution():
+def test_device_and_dtype_resolution(monkeypatch):
+    from pagedllm.config import device as device_config
+
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             resolve_device("cuda")
-        assert resolve_dtype("auto", "cuda") == torch.bfloat16  # a CUDA device never gets the CPU's choice
+    for has_bf16, want in ((True, torch.bfloat16), (False, torch.float16)):  # a CUDA device never gets the CPU's choice
+        monkeypatch.setattr(device_config, "cuda_has_bf16", lambda device, v=has_bf16: v)
+        assert resolve_dtype("auto", "cuda") == want
     with pytest.raises(ValueError, match="device"):
         resolve_device("tpu")
 

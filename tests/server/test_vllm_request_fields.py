@@ -75,7 +75,7 @@ def test_fields_that_cannot_be_honoured_are_400(server, body, param):
 
 
 def test_unknown_model_is_404(client):
-    with pytest.raises(openai.NotFoundError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-9", messages=ASK, max_tokens=1)
 
 

@@ -89,3 +89,16 @@ def test_seeded_rows_ignore_batch_mates_and_order():
                                                torch.tensor([1, 2, 4]), torch.tensor([5, 6, 9])))
     assert int(mixed.token_ids[2]) == int(alone.token_ids[0])
     assert noise_key(77, 0) != noise_key(77, 1) and noise_key(77, 1) == noise_key(77, 1)
+
+
+def test_exponential_noise_is_never_zero_so_masked_tokens_are_never_drawn():
+    """Every draw is > 0. The largest 24-bit value once rounded to u = 1.0 in float32, so E = -0.0 and a masked
+    token's 0 / -0 = NaN won the argmax: structured outputs sampled tokens their grammar forbids (about 1 row
+    in 300 at SmolLM2's vocabulary). 64M draws hold several of those values."""
+    from pagedllm.worker.noise import exponential_noise
+
+    vocab = 1 << 16
+    for start in range(0, 1024, 256):
+        keys = torch.arange(start, start + 256, dtype=torch.int64)
+        draws = exponential_noise(keys, torch.full((256,), 7, dtype=torch.int64), vocab)
+        assert bool((draws > 0).all()), f"a zero draw among keys {start}..{start + 255}"
