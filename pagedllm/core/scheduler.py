@@ -3,9 +3,9 @@
 Each step: running requests first (one decode token, or the next prefill chunk), then
 swapped requests come back, then waiting requests are admitted while the budget, the
 running-sequence cap and free blocks allow. Prefill chunks and decodes share a step.
-When the pool runs dry the most recently admitted request is preempted: by recompute
-(its blocks are freed but stay findable in the prefix cache, so it re-hits its own
-prefix) or by swap to the host tier.
+When the pool runs dry the most recently admitted request (under the priority policy: the least
+urgent one) is preempted: by recompute (its blocks are freed but stay findable in the prefix
+cache, so it re-hits its own prefix) or by swap to the host tier.
 """
 
 from __future__ import annotations
@@ -130,10 +130,12 @@ class Scheduler:
             if self._schedule_seqs(req, budget, out, scheduled, partial_ok=True):
                 i += 1
                 continue
-            victim = self.running[-1]
+            victim = self._preemption_victim()
+            before_req = self.running.index(victim) < i
             self._preempt(victim, out, budget, scheduled)
             if victim is req:
                 break
+            i -= before_req  # the list shifted left under the request being scheduled
         if not out.preempted:
             self._swap_in(budget, out, scheduled)
         if not out.preempted and not self.swapped:
@@ -182,6 +184,13 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             out.chunks.append(ScheduledChunk(seq, n + len(spec), len(spec)))
         return True
+
+    def _preemption_victim(self) -> Request:
+        """The running request to preempt when blocks run out: under the priority policy the least urgent
+        (largest priority value, latest arrival), as vLLM v1's scheduler picks; otherwise the latest admitted."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
     def _preempt(self, req: Request, out: Schedule, budget: list[int], scheduled: set[int]) -> None:
         """Release ``req``'s blocks (recompute) or move them to the host tier (swap)."""
