@@ -1,0 +1,144 @@
+"""`vllm bench serve` (vLLM's own serving benchmark) against `pagedllm serve` on the embedded model, for its
+chat and completions backends; each run's client TTFT is compared with our server's /metrics TTFT histogram
+over the same requests (they must agree within 10%: the chat role chunk goes out with the first token).
+
+vLLM is not in CI (its install takes half an hour): `bash scripts/setup_baselines.sh vllm` installs it into
+/opt/vllm-venv ($PAGEDLLM_VLLM_VENV); this script is run by hand and its figures go into bench/README.md.
+
+    python scripts/vllm_bench_serve.py [--prompts 8] [--input-len 192] [--output-len 16] [--out bench/vllm_bench_serve.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+BACKENDS = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions"}
+MODEL_NAME = "smollm2"
+TOLERANCE = 0.10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of our vllm:time_to_first_token_seconds histogram."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+           if s.name.startswith("vllm:time_to_first_token_seconds_")}
+    return got["vllm:time_to_first_token_seconds_sum"], got["vllm:time_to_first_token_seconds_count"]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float = 600) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"pagedllm serve exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("pagedllm serve was not ready in time")
+
+
+def run_vllm_bench(vllm: Path, backend: str, url: str, tokenizer: str, args: argparse.Namespace, seed: int,
+                   result_dir: str) -> dict:
+    """One `vllm bench serve` run, one request at a time; returns its result JSON."""
+    name = f"{backend}.json"
+    cmd = [str(vllm), "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", BACKENDS[backend],
+           "--model", MODEL_NAME, "--tokenizer", tokenizer, "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.prompts), "--max-concurrency", "1", "--ignore-eos", "--seed", str(seed),
+           # its ready check sends the first prompt once more, which would then be a prefix-cache hit
+           "--ready-check-timeout-sec", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--save-result", "--result-dir", result_dir, "--result-filename", name, "--disable-tqdm"]
+    print("$", " ".join(cmd), flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("PYTHONPATH", None)  # vLLM's venv must not see our tree
+    r = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=1800)
+    print(r.stdout[-2500:], r.stderr[-1500:] if r.returncode else "", flush=True)
+    if r.returncode:
+        raise SystemExit(f"vllm bench serve --backend {backend} failed ({r.returncode})")
+    return json.loads((Path(result_dir) / name).read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=192)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--out", default="bench/vllm_bench_serve.json")
+    args = p.parse_args()
+    venv = Path(os.environ.get("PAGEDLLM_VLLM_VENV", "/opt/vllm-venv"))
+    vllm = venv / "bin" / "vllm"
+    if not vllm.exists():
+        raise SystemExit(f"{vllm} is missing: bash scripts/setup_baselines.sh vllm")
+
+    from pagedllm.models.loader import resolve_model_dir
+
+    tokenizer = resolve_model_dir()  # the embedded GGUF's HF directory (tokenizer files included)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # a usual `vllm serve` line, run unchanged
+    serve = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
+             "--served-model-name", MODEL_NAME, "--max-model-len", "2048", "--gpu-memory-utilization", "0.9",
+             "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    print("$", " ".join(serve), flush=True)
+    proc = subprocess.Popen(serve, start_new_session=True)
+    rows = []
+    try:
+        wait_ready(url, proc)
+        # warm-up, not measured: the first request pays for lazy initialisation
+        httpx.post(f"{url}/v1/completions", timeout=600,
+                   json={"model": MODEL_NAME, "prompt": "Warm up.", "max_tokens": 4}).raise_for_status()
+        with tempfile.TemporaryDirectory() as tmp:
+            for seed, backend in enumerate(BACKENDS, start=1):  # a seed each: no prompt repeats across runs
+                before = server_ttft(url)
+                res = run_vllm_bench(vllm, backend, url, tokenizer, args, seed, tmp)
+                after = server_ttft(url)
+                n = after[1] - before[1]
+                server_ms = 1000 * (after[0] - before[0]) / n
+                client_ms = res["mean_ttft_ms"]
+                rows.append({"backend": backend, "endpoint": BACKENDS[backend], "completed": res["completed"],
+                             "failed": res.get("failed", args.prompts - res["completed"]),
+                             "server_requests": n, "client_mean_ttft_ms": client_ms,
+                             "server_mean_ttft_ms": server_ms, "ratio": client_ms / server_ms,
+                             "client_p99_itl_ms": res.get("p99_itl_ms"),
+                             "client_mean_tpot_ms": res.get("mean_tpot_ms"),
+                             "output_throughput": res.get("output_throughput")})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        rc = 128 - rc if rc < 0 else rc  # as a shell reports it: 143 = ended by the SIGTERM it was sent
+    load = os.getloadavg()
+    summary = {"prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
+               "max_concurrency": 1, "server_exit_code_after_sigterm": rc, "load": load, "rows": rows}
+    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n| backend | completed / failed | vllm bench mean TTFT (ms) | our /metrics mean TTFT (ms) | ratio |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['backend']} ({r['endpoint']}) | {r['completed']} / {r['failed']} | "
+              f"{r['client_mean_ttft_ms']:.1f} | {r['server_mean_ttft_ms']:.1f} | {r['ratio']:.3f} |")
+    print(f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; pagedllm serve exit code after SIGTERM: {rc}")
+    bad = [r for r in rows if r["failed"] or r["completed"] < args.prompts or abs(r["ratio"] - 1) > TOLERANCE]
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
