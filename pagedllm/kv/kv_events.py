@@ -2,9 +2,11 @@
 
 The prefix cache reports every hash it registers or forgets through its ``on_event`` callback; the publisher
 gathers one engine step's events into a batch and sends it on a ZeroMQ PUB socket as vLLM does: the frames
-``[topic, sequence number (8 bytes, big-endian), msgpack payload]``, the payload a msgspec ``array_like`` tagged
-``KVEventBatch``: ``[ts, [event, ...]]`` with events ``["BlockStored", block_hashes, parent_block_hash,
-token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``.
+``[topic, sequence number (8 bytes, big-endian), msgpack payload]``. The payload is what vLLM 0.32's msgspec
+encoder writes for its ``KVEventBatch`` (array-like): ``[ts, [event, ...], data_parallel_rank]``, each event a
+map tagged by ``type`` with its struct's fields in order (``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``; see ``block_stored``). tests/server/test_kv_events_wire.py holds bytes made by vLLM's own
+encoder (scripts/kv_events_golden.py) and checks ours are the same.
 Sequence numbers count batches from 0 per engine (replica); a ROUTER socket on ``replay_endpoint`` resends the
 last ``buffer_steps`` batches from a sequence number on, so a subscriber that joined late or missed some catches
 up. Block hashes go out as 16 bytes, big-endian (vLLM's ``ExternalBlockHash`` is bytes or int). A new publisher
@@ -14,10 +16,13 @@ starts with ``AllBlocksCleared``: a restarted engine's cache is empty.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
+
+log = logging.getLogger("pagedllm.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 
@@ -64,6 +69,40 @@ def hash_bytes(block_hash: int) -> bytes:
     return block_hash.to_bytes(16, "big")
 
 
+MEDIUM = "GPU"  # vLLM's name for the engine's own KV pool (its CPU build says "GPU" too; "CPU" is an offload tier)
+
+
+def block_stored(hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int) -> dict:
+    """vLLM's ``BlockStored`` as its block pool fills it for a text request: one KV cache group (0), no LoRA,
+    no extra keys per block. The keys keep its struct's field order, so the bytes are the same as its."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": token_ids,
+            "block_size": block_size, "lora_id": None, "medium": MEDIUM, "lora_name": None,
+            "extra_keys": [None] * len(hashes), "group_idx": 0}
+
+
+def block_removed(hashes: list[bytes]) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM, "group_idx": 0}
+
+
+def all_blocks_cleared() -> dict:
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(ts: float, events: list[dict], data_parallel_rank: int = 0) -> bytes:
+    """vLLM's ``KVEventBatch`` bytes (msgpack; floats as float64, hashes as bin)."""
+    import msgpack
+
+    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[dict], int | None]:
+    """(ts, events, data parallel rank) of a batch, ours or vLLM's (its rank may be omitted)."""
+    import msgpack
+
+    ts, events, *rank = msgpack.unpackb(payload)
+    return ts, events, rank[0] if rank else None
+
+
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
@@ -73,14 +112,12 @@ class KVEventPublisher:
     step) sends what was recorded as one batch."""
 
     def __init__(self, cfg: KVEventsConfig, block_size: int) -> None:
-        import msgpack
         import zmq
 
-        self._pack = msgpack.Packer(use_bin_type=True).pack
         self.cfg = cfg
         self.block_size = block_size
         self.seq = 0
-        self._pending: list[list] = [["AllBlocksCleared"]]
+        self._pending: list[dict] = [all_blocks_cleared()]
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, cfg.hwm)
@@ -104,19 +141,20 @@ class KVEventPublisher:
         block whose parent is the last stored block extends that event, as vLLM's events cover a run."""
         last = self._pending[-1] if self._pending else None
         if kind == "stored":
-            if last is not None and last[0] == "BlockStored" and parent_hash is not None and \
-                    last[1][-1] == hash_bytes(parent_hash):
-                last[1].append(hash_bytes(block_hash))
-                last[3].extend(token_ids)
+            if last is not None and last["type"] == "BlockStored" and parent_hash is not None and \
+                    last["block_hashes"][-1] == hash_bytes(parent_hash):
+                last["block_hashes"].append(hash_bytes(block_hash))
+                last["token_ids"].extend(token_ids)
+                last["extra_keys"].append(None)
                 return
-            self._pending.append(["BlockStored", [hash_bytes(block_hash)],
-                                  None if parent_hash is None else hash_bytes(parent_hash), list(token_ids),
-                                  self.block_size, None, None])
+            self._pending.append(block_stored([hash_bytes(block_hash)],
+                                              None if parent_hash is None else hash_bytes(parent_hash),
+                                              list(token_ids), self.block_size))
         elif kind == "removed":
-            if last is not None and last[0] == "BlockRemoved":
-                last[1].append(hash_bytes(block_hash))
+            if last is not None and last["type"] == "BlockRemoved":
+                last["block_hashes"].append(hash_bytes(block_hash))
                 return
-            self._pending.append(["BlockRemoved", [hash_bytes(block_hash)], None])
+            self._pending.append(block_removed([hash_bytes(block_hash)]))
         else:
             raise ValueError(f"unknown KV event kind {kind!r}")
 
@@ -124,7 +162,7 @@ class KVEventPublisher:
         """Send the recorded events as one batch (nothing when there are none)."""
         if not self._pending:
             return
-        payload = self._pack([time.time(), self._pending])
+        payload = encode_batch(time.time(), self._pending)
         self._pending = []
         seq = self.seq.to_bytes(8, "big")
         with self._lock:
@@ -133,7 +171,8 @@ class KVEventPublisher:
         self.seq += 1
 
     def _serve_replay(self, sock) -> None:
-        """Answer ``[b"", start seq]`` with every kept batch from ``start`` on, then the end marker."""
+        """Answer ``[b"", start seq]`` with every kept batch from ``start`` on as ``[b"", topic, seq, payload]``,
+        then the end marker ``[b"", b"", END_SEQ, b""]``, vLLM's frames."""
         import zmq
 
         poller = zmq.Poller()
@@ -141,13 +180,18 @@ class KVEventPublisher:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            client, _, start = sock.recv_multipart()
+            frames = sock.recv_multipart()
+            if len(frames) != 3:  # a malformed request is dropped, as vLLM does; the thread keeps serving
+                log.warning("KV events replay: request of %d frames ignored (want [b'', start seq])", len(frames))
+                continue
+            client, _, start = frames
             first = int.from_bytes(start, "big")
             with self._lock:
                 batches = [b for b in self._buffer if b[0] >= first]
+            topic = self.cfg.topic.encode()
             for seq, payload in batches:
-                sock.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            sock.send_multipart([client, b"", END_SEQ, b""])
+                sock.send_multipart([client, b"", topic, seq.to_bytes(8, "big"), payload])
+            sock.send_multipart([client, b"", b"", END_SEQ, b""])
         sock.close()
 
     def close(self) -> None:

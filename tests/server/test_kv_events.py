@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import time
 
-import msgpack
 import pytest
 import zmq
 from tests.engine.test_scheduler_no_model import BS, make_core
 
-from pagedllm.kv.kv_events import END_SEQ, KVEventsConfig, hash_bytes
+from pagedllm.kv.kv_events import END_SEQ, KVEventsConfig, decode_batch, hash_bytes
 from pagedllm.protocol.core_io import EngineCoreRequest
 from pagedllm.protocol.sampling_params import SamplingParams
 
@@ -40,8 +39,9 @@ class Subscriber:
         out = []
         while True:
             assert self.replay.poll(10_000), "no replay answer"
-            _, seq, payload = self.replay.recv_multipart()
+            _, topic, seq, payload = self.replay.recv_multipart()  # vLLM's replay frames
             if seq == END_SEQ:
+                assert topic == payload == b""
                 return out
             out.append((int.from_bytes(seq, "big"), payload))
 
@@ -50,20 +50,21 @@ def rebuild(batches: list[tuple[int, bytes]]) -> set[bytes]:
     """The cached set from events alone, checking vLLM's shapes and that each stored run's parent is cached."""
     cached: set[bytes] = set()
     for _, payload in batches:
-        ts, events = msgpack.unpackb(payload)
-        assert isinstance(ts, float)
+        ts, events, rank = decode_batch(payload)
+        assert isinstance(ts, float) and rank == 0
         for ev in events:
-            if ev[0] == "BlockStored":
-                _, hashes, parent, token_ids, block_size, lora_id, medium = ev
-                assert block_size == BS and len(token_ids) == BS * len(hashes) and lora_id is None
+            if ev["type"] == "BlockStored":
+                hashes, parent = ev["block_hashes"], ev["parent_block_hash"]
+                assert ev["block_size"] == BS and len(ev["token_ids"]) == BS * len(hashes)
+                assert ev["lora_id"] is None and ev["extra_keys"] == [None] * len(hashes)
                 assert parent is None or parent in cached
                 assert not cached & set(hashes)
                 cached |= set(hashes)
-            elif ev[0] == "BlockRemoved":
-                assert set(ev[1]) <= cached
-                cached -= set(ev[1])
+            elif ev["type"] == "BlockRemoved":
+                assert set(ev["block_hashes"]) <= cached
+                cached -= set(ev["block_hashes"])
             else:
-                assert ev == ["AllBlocksCleared"]
+                assert ev == {"type": "AllBlocksCleared"}
                 cached.clear()
     return cached
 
@@ -98,8 +99,8 @@ def test_subscriber_rebuilds_the_cached_set_exactly(tmp_path):
 
     batches = sub.replay_from(0)
     assert [s for s, _ in batches] == list(range(core.kv_events.seq))  # ids from 0, one per step with news
-    assert msgpack.unpackb(batches[0][1])[1][0] == ["AllBlocksCleared"]
-    kinds = {ev[0] for _, p in batches for ev in msgpack.unpackb(p)[1]}
+    assert decode_batch(batches[0][1])[1][0] == {"type": "AllBlocksCleared"}
+    kinds = {ev["type"] for _, p in batches for ev in decode_batch(p)[1]}
     assert kinds == {"AllBlocksCleared", "BlockStored", "BlockRemoved"}
     assert rebuild(batches) == engine_cached(core) != set()
     # the live stream carries the same batches (a late joiner misses a head, which replay fills)
