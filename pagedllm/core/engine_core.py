@@ -107,7 +107,7 @@ class EngineCore:
         seq = Sequence(req, 0, list(r.prompt_token_ids))
         req.seqs.append(seq)
         if r.params.structured_outputs is not None:
-            self.structured.add(seq.seq_id, r.params.structured_outputs)
+            self.structured.add(seq.seq_id, r.params.structured_outputs, r.prompt_token_ids)
         if self.speculator is not None:
             self.speculator.start(r.request_id, req.prompt_token_ids)
         self.requests[r.request_id] = req

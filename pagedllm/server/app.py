@@ -41,7 +41,7 @@ from pagedllm.server.guards import (
 )
 from pagedllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.server.prompt_logprobs import vllm_prompt_logprobs
-from pagedllm.server.reasoning import get_reasoning_parser
+from pagedllm.server.reasoning import get_reasoning_parser, reply_parser
 from pagedllm.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -371,8 +371,8 @@ class OpenAIServing:
         def logprobs(d: Delta) -> ChatLogprobs | None:
             return self.chat_logprobs(d, top_n, name) if body.logprobs else None
 
-        # a constrained output (structured outputs, a forced tool call) has no reasoning part to split off
-        reasoner = self.reasoning_parser if params.structured_outputs is None else None
+        # a constrained output (structured outputs, a forced tool call) applies after the reasoning part
+        reasoner = reply_parser(self.reasoning_parser, self.engine.tokenizer, ids[0], params)
 
         if not body.stream:
             final = None

@@ -9,7 +9,10 @@ opens it and never closes it is all reasoning, one that does not open it is all 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from pagedllm.protocol.sampling_params import SamplingParams
+from pagedllm.structured.reasoning_gate import PROMPT_TAIL_TOKENS, reasoning_closed
 
 START, END = "<think>", "</think>"
 
@@ -65,6 +68,18 @@ class ReasoningStreamer:
     def content(self, text: str, finished: bool) -> str:
         """The content part of ``text`` so far (what the tool-call parser reads)."""
         return self.parser.split(text, finished)[1]
+
+
+def reply_parser(parser: ReasoningParser | None, tokenizer, prompt_ids: list[int],
+                 params: SamplingParams) -> ReasoningParser | None:
+    """The parser for one reply: None without one, or when the prompt already closed the reasoning (an
+    assistant prefill, thinking switched off): all the output is content. A structured output (or a forced
+    tool call) is marked to wait in the engine for the reasoning's end, as vLLM's grammar does."""
+    if parser is None:
+        return None
+    if params.structured_outputs is not None:
+        params.structured_outputs = replace(params.structured_outputs, reasoning=(START, END))
+    return None if reasoning_closed(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]), (START, END)) else parser
 
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", True), "qwen3": ReasoningParser("qwen3", False)}

@@ -1,7 +1,8 @@
 """The engine's side of structured outputs: one grammar state per structured sequence, the step's
 bitmask filled for exactly those rows and applied to the batch's logits in one call, and each
 sampled token fed back. The engine core calls ``add`` on admission, ``fork`` for parallel samples,
-``mask`` before sampling, ``accept`` after, and ``free`` when a sequence finishes."""
+``mask`` before sampling, ``accept`` after, and ``free`` when a sequence finishes. A grammar that waits for a
+reasoning part to end (``params.reasoning``) is held in a ``ReasoningGate`` meanwhile: its rows are free."""
 
 from __future__ import annotations
 
@@ -11,25 +12,37 @@ import torch
 
 from pagedllm.structured.compiler import GrammarCompiler
 from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.reasoning_gate import PROMPT_TAIL_TOKENS, ReasoningGate, reasoning_closed
 from pagedllm.structured.state import GrammarState, allocate_bitmask, apply_bitmask
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+        self.tokenizer = tokenizer
         self.states: dict[Hashable, GrammarState] = {}
+        self.gates: dict[Hashable, ReasoningGate] = {}  # grammars waiting for their reasoning to end
         self._bitmask = allocate_bitmask(1, vocab_size)
 
-    def add(self, seq_id: Hashable, params: StructuredOutputsParams) -> None:
-        """Start ``seq_id`` at its grammar's beginning (compiled once per distinct spec)."""
-        self.states[seq_id] = self.compiler.state(params)
+    def add(self, seq_id: Hashable, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()) -> None:
+        """Start ``seq_id`` at its grammar's beginning (compiled once per distinct spec, now even when it waits
+        for the reasoning to end, so no step stalls on a compile later)."""
+        state = self.compiler.state(params)
+        if params.reasoning is not None and not reasoning_closed(
+                self.tokenizer.decode(list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])), params.reasoning):
+            self.gates[seq_id] = ReasoningGate(state, params.reasoning)
+        else:
+            self.states[seq_id] = state
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         if parent_id in self.states:
             self.states[child_id] = self.states[parent_id].fork()
+        elif parent_id in self.gates:
+            self.gates[child_id] = self.gates[parent_id].fork()
 
     def free(self, seq_id: Hashable) -> None:
         self.states.pop(seq_id, None)
+        self.gates.pop(seq_id, None)
 
     def mask(self, logits: torch.Tensor, row_seq_ids: Sequence[Hashable]) -> None:
         """Mask ``logits`` (one row per entry of ``row_seq_ids``) in place where a row's sequence is
@@ -56,5 +69,13 @@ class StructuredOutputManager:
 
     def accept(self, row_seq_ids: Sequence[Hashable], tokens: Sequence[int]) -> list[Hashable]:
         """Advance each structured row's state by its sampled token; returns the sequences whose
-        token the grammar refused (only possible if the mask was not applied)."""
-        return [sid for sid, tok in zip(row_seq_ids, tokens) if sid in self.states and not self.states[sid].accept(tok)]
+        token the grammar refused (only possible if the mask was not applied). A gated row's token goes to
+        its gate; the one that ends the reasoning opens the grammar for the next."""
+        refused = []
+        for sid, tok in zip(row_seq_ids, tokens):
+            if sid in self.states:
+                if not self.states[sid].accept(tok):
+                    refused.append(sid)
+            elif sid in self.gates and self.gates[sid].feed(self.tokenizer.decode([tok])):
+                self.states[sid] = self.gates.pop(sid).state
+        return refused

@@ -17,6 +17,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (xgrammar/GBNF dialect), root rule ``root``
+    # (start, end) markers of a reasoning part, e.g. ("<think>", "</think>"): the grammar applies only after
+    # the reasoning ends (set by the server under --reasoning-parser); None: from the first token
+    reasoning: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -40,6 +43,9 @@ class StructuredOutputsParams:
             val = getattr(self, name)
             if val is not None and (not isinstance(val, str) or not val):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {val!r}")
+        if self.reasoning is not None and (len(self.reasoning) != 2 or not all(
+                isinstance(m, str) and m for m in self.reasoning)):
+            raise ValueError(f"structured_outputs.reasoning must be (start, end) marker strings, got {self.reasoning!r}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "

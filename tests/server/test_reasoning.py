@@ -62,3 +62,36 @@ def test_server_puts_unclosed_reasoning_in_reasoning_content(server):
                       if line.startswith("data: ") and line != "data: [DONE]"]
         streamed = "".join(c[0]["delta"].get("reasoning_content") or "" for c in deltas if c)
         assert streamed == text and not any(c[0]["delta"].get("content") for c in deltas[1:] if c)
+
+
+BOOL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+               "additionalProperties": False}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": BOOL_SCHEMA}}
+
+
+@pytest.mark.slow
+def test_structured_output_applies_after_the_reasoning(server):
+    """Under deepseek_r1 a json_schema waits for </think>: the embedded model never writes it, so its output
+    stays free (the same text as without the schema) and is all reasoning; an assistant prefill that closed
+    the reasoning makes the output constrained from its first token, all content, streamed the same."""
+    auth = {"Authorization": f"Bearer {server.api_key}"}
+    thinking = {"messages": [{"role": "user", "content": "Name three colors."}], "temperature": 0, "max_tokens": 6}
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json=thinking, headers=auth, timeout=120).json()
+    free_text = plain["choices"][0]["message"]["content"]
+    prefilled = {"messages": [{"role": "user", "content": "Is the sky blue? Answer in JSON."},
+                              {"role": "assistant", "content": "<think>It is.</think>"}],
+                 "continue_final_message": True, "add_generation_prompt": False, "temperature": 0,
+                 "max_tokens": 20, "response_format": JSON_FORMAT}
+    with live_server(reasoning_parser="deepseek_r1") as srv:
+        url, auth = f"{srv.url}/v1/chat/completions", {"Authorization": f"Bearer {srv.api_key}"}
+        msg = httpx.post(url, json={**thinking, "response_format": JSON_FORMAT}, headers=auth,
+                         timeout=120).json()["choices"][0]["message"]
+        assert msg["reasoning_content"] == free_text and msg["content"] is None
+        choice = httpx.post(url, json=prefilled, headers=auth, timeout=120).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["message"]["reasoning_content"] is None
+        assert isinstance(json.loads(choice["message"]["content"])["ok"], bool)
+        with httpx.stream("POST", url, json={**prefilled, "stream": True}, headers=auth, timeout=120) as r:
+            deltas = [json.loads(line[6:])["choices"] for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(c[0]["delta"].get("content") or "" for c in deltas if c) == choice["message"]["content"]
+        assert not any(c[0]["delta"].get("reasoning_content") for c in deltas if c)
