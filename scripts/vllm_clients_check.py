@@ -23,14 +23,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
-import zmq
+from kv_replay import replay_all
+from load_test import wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.kv.kv_events import END_SEQ, decode_batch
+from pagedllm.kv.kv_events import decode_batch
 
 BACKENDS = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions"}
 MODEL_NAME = "smollm2"
@@ -51,20 +51,6 @@ def server_ttft(url: str) -> tuple[float, float]:
     return got["vllm:time_to_first_token_seconds_sum"], got["vllm:time_to_first_token_seconds_count"]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float = 600) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"pagedllm serve exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("pagedllm serve was not ready in time")
-
-
 def vllm_env() -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     env.pop("PYTHONPATH", None)  # vLLM's venv must not see our tree
@@ -73,17 +59,8 @@ def vllm_env() -> dict[str, str]:
 
 def our_cached_set(replay: str) -> set[bytes]:
     """The cached block hashes our own decoder rebuilds from every batch the replay socket resends."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(replay)
-    sock.send_multipart([b"", (0).to_bytes(8, "big")])
     cached: set[bytes] = set()
-    while True:
-        if not sock.poll(30_000):
-            raise SystemExit("no replay answer")
-        _, _topic, seq, payload = sock.recv_multipart()
-        if seq == END_SEQ:
-            break
+    for payload in replay_all(replay):
         for ev in decode_batch(payload)[1]:
             if ev["type"] == "BlockStored":
                 cached |= set(ev["block_hashes"])
@@ -91,7 +68,6 @@ def our_cached_set(replay: str) -> set[bytes]:
                 cached -= set(ev["block_hashes"])
             else:
                 cached.clear()
-    ctx.destroy(linger=0)
     return cached
 
 
@@ -156,7 +132,7 @@ def main() -> None:
     proc = subprocess.Popen(serve, start_new_session=True)
     rows = []
     try:
-        wait_ready(url, proc)
+        wait_healthy(url, proc, timeout=600)
         # warm-up, not measured: the first request pays for lazy initialisation
         httpx.post(f"{url}/v1/completions", timeout=600,
                    json={"model": MODEL_NAME, "prompt": "Warm up.", "max_tokens": 4}).raise_for_status()

@@ -15,28 +15,16 @@ import sys
 from collections import Counter
 
 import msgspec
-import zmq
+from kv_replay import replay_all
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def main(replay: str) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(replay)
-    sock.send_multipart([b"", (0).to_bytes(8, "big")])
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     kinds: Counter[str] = Counter()
     cached: set[bytes] = set()
-    batches = 0
-    while True:
-        if not sock.poll(30_000):
-            raise SystemExit("no replay answer")
-        _, _topic, seq, payload = sock.recv_multipart()
-        if seq == END_SEQ:
-            break
-        batches += 1
+    payloads = replay_all(replay)
+    for payload in payloads:
         for ev in decoder.decode(payload).events:
             kinds[type(ev).__name__] += 1
             if isinstance(ev, BlockStored):
@@ -45,8 +33,7 @@ def main(replay: str) -> None:
                 cached -= set(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 cached.clear()
-    ctx.destroy(linger=0)
-    print(json.dumps({"batches": batches, "events": dict(kinds), "cached": sorted(h.hex() for h in cached)}))
+    print(json.dumps({"batches": len(payloads), "events": dict(kinds), "cached": sorted(h.hex() for h in cached)}))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ class Scheduler:
             self._preempt(victim, out, budget, scheduled)
             if victim is req:
                 break
-            i -= before_req  # the list shifted left under the request being scheduled
+            if before_req:  # the list shifted left under the request being scheduled
+                i -= 1
         if not out.preempted:
             self._swap_in(budget, out, scheduled)
         if not out.preempted and not self.swapped:
