@@ -165,13 +165,16 @@ class ModelRunner:
         outs = [SeqOutput(s.seq_id) for s in so.scheduled]
         if not last_rows:
             return ModelRunnerOutput(outs)
+        # logits stay on the device: sampling runs there, and only ids and asked-for logprobs come back
+        dev = hidden.device
         logits = self.forward_pass.model.compute_logits(hidden.index_select(
-            0, torch.tensor(last_rows, dtype=torch.int64, device=hidden.device))).cpu()
+            0, torch.tensor(last_rows, dtype=torch.int64, device=dev)))
         for i, first, n in prompt_spans:
             s = so.scheduled[i]
             row = rows[i]
-            targets = batch.token_ids[row, s.num_computed + 1: s.num_computed + 1 + n]
-            outs[i].prompt_logprobs = _ranked(logits[first:first + n].log_softmax(-1), targets, s.prompt_logprobs)
+            targets = batch.token_ids[row, s.num_computed + 1: s.num_computed + 1 + n].to(dev)
+            ranked = _ranked(logits[first:first + n].log_softmax(-1), targets, s.prompt_logprobs)
+            outs[i].prompt_logprobs = Logprobs(*to_host(ranked.token_ids, ranked.logprobs))
         if so.grammar_bitmask is not None:  # structured outputs: disallowed tokens to -inf, before sampling
             rows_g = [last_of[i] for i in so.grammar_rows if i in last_of]
             if rows_g:
@@ -189,8 +192,9 @@ class ModelRunner:
                 sample_rows.append(k)
                 sample_keys.append((i, j))
         if beams:
-            idx = torch.tensor([r for _, r in beams])
-            vals, ids = logits.index_select(0, idx).log_softmax(-1).topk(max(so.scheduled[i].beam_topk for i, _ in beams))
+            idx = torch.tensor([r for _, r in beams], device=dev)
+            top = logits.index_select(0, idx).log_softmax(-1).topk(max(so.scheduled[i].beam_topk for i, _ in beams))
+            vals, ids = to_host(top.values, top.indices)
             for n, (i, _) in enumerate(beams):
                 kk = so.scheduled[i].beam_topk
                 outs[i].beam_topk = Logprobs(ids[n:n + 1, :kk], vals[n:n + 1, :kk])
@@ -198,7 +202,7 @@ class ModelRunner:
             self._sample(so, rows, logits, sample_rows, sample_keys, outs)
         if spec_of:
             idx = list(spec_of)
-            kept = verify_drafts(logits, list(spec_of.values()), [so.scheduled[i].spec_token_ids for i in idx],
+            kept = verify_drafts(to_host(logits)[0], list(spec_of.values()), [so.scheduled[i].spec_token_ids for i in idx],
                                  [batch.params[rows[i]] for i in idx], [batch.generators[rows[i]] for i in idx])
             for i, (toks, lps) in zip(idx, kept):
                 outs[i].token_ids, outs[i].logprobs = toks, lps
