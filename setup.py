@@ -21,7 +21,7 @@ class BuildPyWithKernels(build_py):
             return
         editable = getattr(self, "editable_mode", False)  # an editable install runs from the source tree
         package = Path(__file__).parent / "pagedllm" if editable else Path(self.build_lib) / "pagedllm"
-        spec = importlib.util.spec_from_file_location("pagedllm_native_build", package / "native.py")
+        spec = importlib.util.spec_from_file_location("pagedllm_native_build", package / "ops" / "build.py")
         native = importlib.util.module_from_spec(spec)  # alone: importing pagedllm needs its dependencies
         spec.loader.exec_module(native)
         for kernel, status in native.build_all(package / "ops" / "_aot").items():

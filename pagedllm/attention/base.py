@@ -13,7 +13,10 @@ class AttentionBackend(Protocol):
     """Paged attention: writes the step's K/V into the pool, then attends through block tables.
 
     A backend may also offer ``forward_qkv(qkv [T, (H + 2 Hkv) D], num_heads, k_cache, v_cache, meta, scale)
-    -> [T, H * D]``, the same from the fused projection's output in one call (models use it when present).
+    -> [T, H * D]``, the same from the fused projection's output in one call (models use it when present),
+    or ``forward_qkv_rope(qkv, num_heads, cos, sin, k_cache, v_cache, meta, scale)``, which takes the output
+    before rotary and rotates the q/k heads as it writes the pool (models without per-head q/k norms use it
+    first).
     """
 
     name: str

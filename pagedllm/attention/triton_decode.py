@@ -21,6 +21,7 @@ from pagedllm.attention.triton_prefill import paged_prefill
 from pagedllm.attention.triton_splitk import splitk_decode
 from pagedllm.attention.triton_write import write_kv_fused
 from pagedllm.kv.kv_quant import QuantizedKV
+from pagedllm.ops.triton_fused import rope_qkv_triton
 
 SPLITK_MIN_LEN = 1024  # decodes over contexts this long split their keys across programs (flash-decoding)
 SPLITK_MAX_SEQS = 64  # ... in batches of at most this many decodes (larger ones fill the GPU without splitting)
@@ -82,6 +83,29 @@ class TritonBackend:
             if k.stride(-1) != 1 or v.stride(-1) != 1:
                 k, v = k.contiguous(), v.contiguous()
             write_kv_fused(k, v, k_cache, v_cache, meta.slot_mapping.to(k.device))
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def forward_qkv_rope(self, qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache,
+                         v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention from the fused projection output ``qkv [T, (H + 2 Hkv) D]`` before rotary: one launch
+        rotates the q/k heads and writes the rotated K and the V into the pool (``ops/triton_fused.py``), then
+        the paged kernels attend; returns ``[T, H * D]``. A quantized pool takes the rotary launch and its own
+        quantizing write."""
+        T = qkv.shape[0]
+        Hkv, D = k_cache.shape[0], k_cache.shape[2]
+        q = qkv[:, : num_heads * D].view(T, num_heads, D)
+        if isinstance(k_cache, QuantizedKV) or not qkv.is_contiguous():
+            qkv = qkv.contiguous()
+            rope_qkv_triton(qkv, num_heads + Hkv, cos.contiguous(), sin.contiguous())
+            q, k, v = (qkv[:, a * D:b * D].view(T, b - a, D)
+                       for a, b in ((0, num_heads), (num_heads, num_heads + Hkv), (num_heads + Hkv, num_heads + 2 * Hkv)))
+            return self.forward(q, k, v, k_cache, v_cache, meta, scale).reshape(T, num_heads * D)
+        rope_qkv_triton(qkv, num_heads + Hkv, cos.contiguous(), sin.contiguous(),
+                        kv=(k_cache, v_cache, meta.slot_mapping.to(qkv.device), num_heads))
+        return self._attend(q, k_cache, v_cache, meta, scale).reshape(T, num_heads * D)
+
+    def _attend(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of ``q [T, H, D]`` over the pool, whose K/V this step already wrote."""
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)

@@ -22,7 +22,8 @@ from pagedllm.protocol.limits import RequestLimits
 from pagedllm.core.scheduler import Schedule, ScheduledChunk, Scheduler, SchedulerConfig
 from pagedllm.core.sequence import Request, Sequence, SequenceStatus
 from pagedllm.core.speculation import Speculator
-from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq, SchedulerOutput
+from pagedllm.protocol.step_io import (DeferredOutput, Logprobs, ModelRunnerOutput, NewSeqData, ScheduledSeq,
+                                       SchedulerOutput, resolve)
 from pagedllm.executor import Executor, make_executor
 from pagedllm.protocol.errors import WorkerError
 from pagedllm.kv.kv_cache_manager import KVCacheManager
@@ -37,7 +38,7 @@ class InFlightStep:
 
     sched: Schedule
     so: SchedulerOutput
-    ro: ModelRunnerOutput
+    ro: ModelRunnerOutput | DeferredOutput  # deferred: the worker answered before the ids reached the host
     t0: float
     computed: dict[int, int]  # seq id -> computed tokens right after this step
 
@@ -207,6 +208,8 @@ class EngineCore:
             elif self.scheduler.has_work() and not sched.swap_in and not sched.preempted:
                 raise RuntimeError("scheduler made no progress: the pool cannot hold any waiting request")
             return self._take_outputs()
+        overlap = self._overlaps(sched)
+        so.defer_output = overlap and self.executor.defers
         try:
             ro = self.executor.execute(so)
         except WorkerError:
@@ -217,7 +220,7 @@ class EngineCore:
             self._recover(sched, so, e)
             return self._take_outputs()
         self._recovering = False
-        if self._overlaps(sched):
+        if overlap:
             self._in_flight = InFlightStep(sched, so, ro, t0, self._advance_in_flight(sched))
         if prev is not None:
             self._resolve(prev)
@@ -248,7 +251,7 @@ class EngineCore:
 
     def _resolve(self, step: InFlightStep) -> None:
         """Fold in a step that was in flight (its outputs are ready once the next step is running)."""
-        self._update(step.sched, step.so, step.ro, step.computed)
+        self._update(step.sched, step.so, resolve(step.ro), step.computed)
         self._finish_step(step.sched, step.t0)
 
     def _advance(self, c: ScheduledChunk) -> None:

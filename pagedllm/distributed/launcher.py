@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from pagedllm.distributed.parallel_state import DEFAULT_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group
+from pagedllm.distributed.parallel_state import DEFAULT_TIMEOUT_S, destroy_tp_group, init_tp_group
 
 # spawn + import torch and the model per rank; the collectives' own timeout comes on top
 STARTUP_S = 120.0

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.protocol.step_io import DeferredOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.worker import KVCacheSpec
 
 
@@ -15,9 +15,11 @@ class Executor(ABC):
     """Runs one step on the worker(s) and returns what they sampled."""
 
     spec: KVCacheSpec  # the pool the worker built, for the core's KV manager
+    defers = False  # may answer a step with ``SchedulerOutput.defer_output`` by a ``DeferredOutput``
 
     @abstractmethod
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | DeferredOutput:
+        """Run one step; a ``DeferredOutput`` only where ``defers`` and the step asked for it."""
 
     def shutdown(self) -> None:
         """Release the worker(s); idempotent."""

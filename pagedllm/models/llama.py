@@ -76,7 +76,10 @@ class LlamaDecoderLayer(nn.Module):
         if lora is not None:
             lora.add_(self.index, "qkv", qkv, x)
         fused = getattr(backend, "forward_qkv", None)
-        if fused is not None and self.qk_norm is None:  # no head views: ~40 us less a layer at batch 1
+        rope_fused = getattr(backend, "forward_qkv_rope", None)
+        if rope_fused is not None and self.qk_norm is None:  # rotary + K/V write in one launch (triton)
+            attn = rope_fused(qkv, H, cos, sin, k_cache, v_cache, meta, scale)
+        elif fused is not None and self.qk_norm is None:  # no head views: ~40 us less a layer at batch 1
             apply_rope_heads_(qkv, H + Hkv, cos, sin)
             attn = fused(qkv, H, k_cache, v_cache, meta, scale)  # [T, H * D]
         else:

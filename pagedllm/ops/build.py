@@ -110,7 +110,7 @@ def _build_lock(where: Path) -> Iterator[None]:
 
 def aot_dir() -> Path:
     """Where the ahead-of-time libraries and their manifest are."""
-    return Path(os.environ.get("PAGEDLLM_AOT_DIR") or Path(__file__).parent / "ops" / "_aot")
+    return Path(os.environ.get("PAGEDLLM_AOT_DIR") or Path(__file__).parent / "_aot")
 
 
 def _built_for(source: Path) -> dict:

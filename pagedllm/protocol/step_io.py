@@ -10,6 +10,7 @@ holds a live engine object, so both pickle (``encode``/``decode``) to cross a pr
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,8 @@ class SchedulerOutput:
     copies: BlockPairs = field(default_factory=list)  # copy-on-write (src, dst)
     grammar_bitmask: torch.Tensor | None = None  # [len(scheduled), words]: allowed next tokens, one bit each
     grammar_rows: list[int] = field(default_factory=list)  # indices into scheduled that the bitmask constrains
+    defer_output: bool = False  # the core folds this step in after it launched the next: the worker may answer
+    # with a ``DeferredOutput`` (its executor says whether it ever does: ``Executor.defers``)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,30 @@ class SeqOutput:
 @dataclass
 class ModelRunnerOutput:
     outputs: list[SeqOutput] = field(default_factory=list)  # one per ScheduledSeq, same order
+
+
+class DeferredOutput:
+    """A step's ``ModelRunnerOutput`` still on its way from the device (async scheduling, the worker in the
+    core's own process): ``get`` waits for it once, and whoever needs it first (the core folding the step in,
+    or the worker needing the host's copy of its tokens) pays that wait."""
+
+    def __init__(self, settle: Callable[[], ModelRunnerOutput]) -> None:
+        self._settle: Callable[[], ModelRunnerOutput] | None = settle
+        self._out: ModelRunnerOutput | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self._settle is None
+
+    def get(self) -> ModelRunnerOutput:
+        if self._settle is not None:
+            self._out, self._settle = self._settle(), None
+        return self._out
+
+
+def resolve(out: ModelRunnerOutput | DeferredOutput) -> ModelRunnerOutput:
+    """The output itself, waited for if it was deferred."""
+    return out.get() if isinstance(out, DeferredOutput) else out
 
 
 def encode(obj: SchedulerOutput | ModelRunnerOutput) -> bytes:

@@ -149,11 +149,12 @@ class InputBatch:
             self.token_ids[row, held:held + k] = torch.as_tensor(s.spec_token_ids, dtype=torch.int64)
         return row
 
-    def record_sampled(self, rows: list[int], token_ids: list[int]) -> None:
+    def record_sampled(self, rows: list[int], token_ids: list[int], positions: torch.Tensor | None = None) -> None:
         """Each row's sampled token goes just past its tokens (not counted as its own yet): the next
-        step's diff either repeats it or, under async scheduling, names it ``PENDING_TOKEN``."""
+        step's diff either repeats it or, under async scheduling, names it ``PENDING_TOKEN``. ``positions``:
+        where they go, when recorded after the rows moved on (a deferred step's ids)."""
         row_t = torch.tensor(rows, dtype=torch.int64)
-        pos = self.num_tokens[row_t]
+        pos = self.num_tokens[row_t] if positions is None else positions
         room = pos < self.max_model_len
         self.token_ids[row_t[room], pos[room]] = torch.tensor(token_ids, dtype=torch.int64)[room]
 

@@ -12,11 +12,11 @@ import torch
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.forward_pass import ForwardPass
-from pagedllm.protocol.step_io import Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
+from pagedllm.protocol.step_io import DeferredOutput, Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
 from pagedllm.structured.state import apply_bitmask
 from pagedllm.worker.cuda_graphs import DecodeGraphs
-from pagedllm.worker.host_copy import to_host
-from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.host_copy import HostCopy, to_host
+from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.worker.noise import noise_key
 from pagedllm.worker.sampler import Sampler, SamplingBatch, is_plain
 from pagedllm.worker.spec_verify import verify_drafts
@@ -33,10 +33,19 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.lora = lora  # issue 32: the adapters' slots (None: LoRA off)
+        self._deferred: DeferredOutput | None = None  # the last step, answered before its ids reached the host
+        self._pending: tuple[list[int], list[int], torch.Tensor] | None = None  # its rows, positions, ids (device)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | DeferredOutput:
+        """Run one step. With ``so.defer_output``, a decode step replayed from one graph answers before its
+        sampled ids reach the host (a ``DeferredOutput``): the next step's inputs take those ids on the device,
+        so the host launches step N+1 while step N's copy is still on its way, and waits for it only when it
+        needs the tokens (the core folding them in, or rows that change, or a step that samples on the host)."""
         batch = self.batch
+        if so.forks or so.finished_seq_ids or so.new_seqs or so.swap_out or so.swap_in or so.copies \
+                or not so.defer_output:
+            self._settle()  # rows are about to change, or this step answers at once: the last step's ids first
         for parent, child, index in so.forks:
             batch.fork(parent, child, index)
         for sid in so.finished_seq_ids:
@@ -55,15 +64,42 @@ class ModelRunner:
         if not so.scheduled:
             return ModelRunnerOutput()
         inp = batch.prepare(so.scheduled, rows)
+        if self._deferred is not None:
+            self._take_pending(so, rows, inp)
         lora = None if inp.lora_ids is None else self._lora_manager().step(inp.lora_ids)
+        if self.graphs is not None and lora is None and self.graphs.can_run(inp.meta) and self._plain_step(so, rows):
+            return self._graph_step(so, rows, inp)
+        self._settle()  # the host samples (and reads the rows' tokens) below
         if lora is not None:  # adapters run eagerly (graphs hold the base model's path)
             hidden = self.forward_pass.forward(inp.input_ids, inp.meta, lora)
             return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
-        if self.graphs is not None and self.graphs.can_run(inp.meta) and self._plain_step(so, rows):
-            return self._graph_step(so, rows, inp)
         forward = self.forward_pass.forward if self.graphs is None else self.graphs.forward
         hidden = forward(inp.input_ids, inp.meta)
         return self._outputs(so, rows, inp.order, inp.meta.query_start_loc.tolist(), hidden)
+
+    def _settle(self) -> None:
+        """Wait for the deferred step's ids and write them into the rows (a no-op when none is deferred)."""
+        if self._deferred is not None:
+            deferred, self._deferred, self._pending = self._deferred, None, None
+            deferred.get()
+
+    def _take_pending(self, so: SchedulerOutput, rows: list[int], inp: StepInputs) -> None:
+        """This step's inputs at the places of the deferred step's sampled ids (``PENDING_TOKEN`` to the core,
+        stale on the host) take those ids from the device: an index copy queued behind the step that made
+        them, with no wait."""
+        prev_rows, prev_pos, prev_ids = self._pending
+        slot_of = {r: k for k, r in enumerate(prev_rows)}
+        start, flat, dst, src = 0, {}, [], []
+        for i in inp.order:
+            flat[i], start = start, start + so.scheduled[i].num_tokens
+        for i, s in enumerate(so.scheduled):
+            k = slot_of.get(rows[i])
+            if k is not None and s.num_computed <= prev_pos[k] < s.num_computed + s.num_tokens:
+                dst.append(flat[i] + prev_pos[k] - s.num_computed)
+                src.append(k)
+        if dst:
+            dev = inp.input_ids.device
+            inp.input_ids[torch.tensor(dst, device=dev)] = prev_ids[torch.tensor(src, device=dev)]
 
     def _lora_manager(self) -> LoRAManager:
         if self.lora is None:
@@ -76,20 +112,31 @@ class ModelRunner:
             s.needs_logits and s.num_samples == 1 and not s.beam_topk and s.prompt_logprobs is None
             and not s.spec_token_ids and is_plain(self.batch.params[r]) for s, r in zip(so.scheduled, rows))
 
-    def _graph_step(self, so: SchedulerOutput, rows: list[int], inp) -> ModelRunnerOutput:
-        """The whole decode step replayed from one graph; only the sampled ids and logprobs come back."""
+    def _graph_step(self, so: SchedulerOutput, rows: list[int], inp: StepInputs) -> ModelRunnerOutput | DeferredOutput:
+        """The whole decode step replayed from one graph; only the sampled ids and logprobs come back, at once
+        or (``so.defer_output``) when first asked for."""
         batch = self.batch
         ordered = [rows[i] for i in inp.order]
         row_t = torch.tensor(ordered, dtype=torch.int64)
         dev = inp.input_ids.device
+        positions = batch.num_tokens[row_t].clone()  # where each row's sampled id goes
         tokens, lps = self.graphs.forward_sample(inp.input_ids, inp.meta, [batch.params[r].temperature for r in ordered],
-                                                 batch.noise_key[row_t].to(dev), batch.num_tokens[row_t].to(dev))
-        tokens, lps = (t.tolist() for t in to_host(tokens, lps))
-        outs = [SeqOutput(s.seq_id) for s in so.scheduled]
-        for k, i in enumerate(inp.order):
-            outs[i].token_ids, outs[i].logprobs = [tokens[k]], [lps[k]]
-        batch.record_sampled(ordered, tokens)
-        return ModelRunnerOutput(outs)
+                                                 batch.noise_key[row_t].to(dev), positions.to(dev))
+        copy = HostCopy(tokens, lps)
+
+        def settle() -> ModelRunnerOutput:
+            ids, lp = (t.tolist() for t in copy.wait())
+            outs = [SeqOutput(s.seq_id) for s in so.scheduled]
+            for k, i in enumerate(inp.order):
+                outs[i].token_ids, outs[i].logprobs = [ids[k]], [lp[k]]
+            batch.record_sampled(ordered, ids, positions)
+            return ModelRunnerOutput(outs)
+
+        if not so.defer_output:
+            return settle()
+        self._deferred = DeferredOutput(settle)
+        self._pending = (ordered, positions.tolist(), tokens.clone())  # the buffer is the next replay's output
+        return self._deferred
 
     def _outputs(self, so: SchedulerOutput, rows: list[int], order: list[int], qsl: list[int],
                  hidden: torch.Tensor) -> ModelRunnerOutput:
@@ -118,13 +165,16 @@ class ModelRunner:
         outs = [SeqOutput(s.seq_id) for s in so.scheduled]
         if not last_rows:
             return ModelRunnerOutput(outs)
+        # logits stay on the device: sampling runs there, and only ids and asked-for logprobs come back
+        dev = hidden.device
         logits = self.forward_pass.model.compute_logits(hidden.index_select(
-            0, torch.tensor(last_rows, dtype=torch.int64, device=hidden.device))).cpu()
+            0, torch.tensor(last_rows, dtype=torch.int64, device=dev)))
         for i, first, n in prompt_spans:
             s = so.scheduled[i]
             row = rows[i]
-            targets = batch.token_ids[row, s.num_computed + 1: s.num_computed + 1 + n]
-            outs[i].prompt_logprobs = _ranked(logits[first:first + n].log_softmax(-1), targets, s.prompt_logprobs)
+            targets = batch.token_ids[row, s.num_computed + 1: s.num_computed + 1 + n].to(dev)
+            ranked = _ranked(logits[first:first + n].log_softmax(-1), targets, s.prompt_logprobs)
+            outs[i].prompt_logprobs = Logprobs(*to_host(ranked.token_ids, ranked.logprobs))
         if so.grammar_bitmask is not None:  # structured outputs: disallowed tokens to -inf, before sampling
             rows_g = [last_of[i] for i in so.grammar_rows if i in last_of]
             if rows_g:
@@ -142,8 +192,9 @@ class ModelRunner:
                 sample_rows.append(k)
                 sample_keys.append((i, j))
         if beams:
-            idx = torch.tensor([r for _, r in beams])
-            vals, ids = logits.index_select(0, idx).log_softmax(-1).topk(max(so.scheduled[i].beam_topk for i, _ in beams))
+            idx = torch.tensor([r for _, r in beams], device=dev)
+            top = logits.index_select(0, idx).log_softmax(-1).topk(max(so.scheduled[i].beam_topk for i, _ in beams))
+            vals, ids = to_host(top.values, top.indices)
             for n, (i, _) in enumerate(beams):
                 kk = so.scheduled[i].beam_topk
                 outs[i].beam_topk = Logprobs(ids[n:n + 1, :kk], vals[n:n + 1, :kk])
@@ -151,7 +202,7 @@ class ModelRunner:
             self._sample(so, rows, logits, sample_rows, sample_keys, outs)
         if spec_of:
             idx = list(spec_of)
-            kept = verify_drafts(logits, list(spec_of.values()), [so.scheduled[i].spec_token_ids for i in idx],
+            kept = verify_drafts(to_host(logits)[0], list(spec_of.values()), [so.scheduled[i].spec_token_ids for i in idx],
                                  [batch.params[rows[i]] for i in idx], [batch.generators[rows[i]] for i in idx])
             for i, (toks, lps) in zip(idx, kept):
                 outs[i].token_ids, outs[i].logprobs = toks, lps

@@ -15,7 +15,7 @@ from pagedllm.attention import BACKENDS, get_backend
 from pagedllm.config.args import EngineArgs
 from pagedllm.config.device import DeviceConfig
 from pagedllm.protocol.kv_spec import KVCacheSpec
-from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.protocol.step_io import DeferredOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.lora.adapter import LoRAShapes
 from pagedllm.lora.manager import LoRAManager
@@ -156,5 +156,5 @@ class Worker:
                  time.perf_counter() - t0)
         return graphs
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | DeferredOutput:
         return self.model_runner.execute_model(so)

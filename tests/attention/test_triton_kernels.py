@@ -67,3 +67,38 @@ def test_engine_with_triton_equals_reference(tiny_model_dir, kv_cache_dtype):
                   kv_cache_dtype=kv_cache_dtype, check_integrity=True)  # a 16-token budget: chunked prefill, mixed
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert outs["triton"] == outs["reference"]
+
+
+@pytest.mark.parametrize("kv", ["float", "bf16", "int8"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_rope_and_kv_write_in_one_launch_equal_rope_then_forward(case, kv):
+    """``forward_qkv_rope`` (rotary on the q/k heads and the K/V write fused into one launch) writes the pool
+    rows and returns the attention that torch's rotary followed by ``forward`` on the q/k/v views does; an int8
+    pool takes the rotary launch and the quantizing write."""
+    from pagedllm.kv.kv_cache import KVCache
+    from pagedllm.models.layers import apply_rope_heads_, rope_cos_sin
+
+    cache_dtype = {"float": None, "bf16": torch.bfloat16, "int8": None}[kv]
+    b = make_random_batch(*CASES[case], head_dim=32, cache_dtype=cache_dtype, seed=7)
+    T, H, D = b.q.shape
+    Hkv = b.k.shape[1]
+    qkv = torch.cat([b.q.reshape(T, -1), b.k.reshape(T, -1), b.v.reshape(T, -1)], 1)
+    cos, sin = rope_cos_sin(D, 10000.0, None, 2048, torch.float32)
+    cos, sin = cos.index_select(0, b.meta.positions), sin.index_select(0, b.meta.positions)
+    if kv == "int8":
+        pool = KVCache(1, Hkv, D, b.k_cache.shape[1] // b.meta.block_size, b.meta.block_size, dtype=torch.int8)
+        caches = [pool.layer(0), KVCache(1, Hkv, D, pool.num_blocks, b.meta.block_size, dtype=torch.int8).layer(0)]
+    else:
+        caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(2)]
+    backend = get_backend("triton")
+    rotated = qkv.clone()
+    apply_rope_heads_(rotated, H + Hkv, cos, sin)
+    views = [rotated[:, a * D:c * D].view(T, c - a, D) for a, c in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv))]
+    want = backend.forward(*views, *caches[0], b.meta, b.scale).reshape(T, H * D)
+    got = backend.forward_qkv_rope(qkv.clone(), H, cos, sin, *caches[1], b.meta, b.scale)
+    for w, g in zip(caches[0], caches[1]):
+        if kv == "int8":
+            assert torch.equal(g.data, w.data) and torch.equal(g.scale, w.scale) and g.data.any()
+        else:
+            assert torch.equal(g, w)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

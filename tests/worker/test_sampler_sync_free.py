@@ -102,3 +102,41 @@ def test_exponential_noise_is_never_zero_so_masked_tokens_are_never_drawn():
         keys = torch.arange(start, start + 256, dtype=torch.int64)
         draws = exponential_noise(keys, torch.full((256,), 7, dtype=torch.int64), vocab)
         assert bool((draws > 0).all()), f"a zero draw among keys {start}..{start + 255}"
+
+
+class DeviceTrap(SyncTrap):
+    """Also fails a move to the host: what the logits of a device step must never take whole."""
+
+    READS = SyncTrap.READS | {torch.Tensor.cpu}
+
+
+def test_step_logits_stay_on_the_device_and_only_results_come_back(tiny_model_dir, monkeypatch):
+    """An eager step samples (filters, penalties, bias, min_tokens, seeds), ranks prompt logprobs and beam
+    candidates from logits left where the model made them: nothing but ``to_host`` of the small results
+    reads them back (the logits are trapped here as a device tensor would be)."""
+    from pagedllm import LLM
+    from pagedllm.worker import model_runner
+
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=1, max_tokens=6, logprobs=2,
+                             repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.1, min_tokens=2,
+                             logit_bias={7: 1.5}, prompt_logprobs=1),
+              SamplingParams(temperature=0, max_tokens=5, n=2, beam_width=3, use_beam_search=True),
+              SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, logprobs=1)]
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [40, 41, 42, 43]]
+
+    def run(trap: bool):
+        llm = LLM(tiny_model_dir, kv_cache_memory=16 << 20, check_integrity=True)
+        if trap:
+            model = llm.engine.core.executor.worker.model_runner.forward_pass.model
+            make = model.compute_logits
+            monkeypatch.setattr(model, "compute_logits", lambda h: make(h).as_subclass(DeviceTrap))
+        res = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.kv.stats()["used"] == 0
+        return [([o.token_ids for o in r.outputs], [o.finish_reason for o in r.outputs],
+                 r.prompt_logprobs is not None) for r in res]
+
+    want = run(False)
+    untrap = model_runner.to_host
+    monkeypatch.setattr(model_runner, "to_host", lambda *ts: untrap(*(t.as_subclass(torch.Tensor) for t in ts)))
+    assert run(True) == want
+    assert all(w[1][0] in ("length", "stop") for w in want) and want[0][2] and want[2][2]

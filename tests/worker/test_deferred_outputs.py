@@ -1,0 +1,96 @@
+"""Async scheduling with decode graphs: a step's sampled ids stay on the device while the next step launches
+(``DeferredOutput``), the next step's inputs take them there, and the host waits for them only afterwards.
+No GPU here: the capture is the CPU stand-in of ``test_cuda_graphs`` (replay re-runs the step on the same
+buffers), and ``HostCopy`` on the CPU clones at launch, as the device's queued copy would snapshot them."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker import cuda_graphs, model_runner
+from pagedllm.worker.host_copy import HostCopy
+
+from tests.worker.test_cuda_graphs import RerunCapture
+
+
+class LoggedCopy(HostCopy):
+    """Records when each step's copy starts and when the host waits for it."""
+
+    log: list[tuple[str, int]] = []
+
+    def __init__(self, *tensors) -> None:
+        super().__init__(*tensors)
+        self.n = sum(1 for e in LoggedCopy.log if e[0] == "start")
+        LoggedCopy.log.append(("start", self.n))
+
+    def wait(self):
+        LoggedCopy.log.append(("wait", self.n))
+        return super().wait()
+
+
+PROMPTS = [[5, 17, 300, 42] * 3, [7, 8, 9], [100, 200, 300, 400, 500], [9, 9, 9, 9]]
+PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True),
+          SamplingParams(temperature=1.2, seed=4, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[0], ignore_eos=False)]
+KW = dict(attention_backend="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+          check_integrity=True)
+
+
+def _run(llm: LLM, prompts=PROMPTS, params=PARAMS):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].cumulative_logprob)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture()
+def graphs_on(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "graph_capture", lambda device: RerunCapture())
+    monkeypatch.setattr(model_runner, "HostCopy", LoggedCopy)
+    LoggedCopy.log = []
+
+
+def test_deferred_decode_steps_equal_the_synchronous_engine_and_launch_before_the_wait(tiny_model_dir, graphs_on):
+    eager = LLM(tiny_model_dir, enforce_eager=True, async_scheduling=False, **KW)
+    want = _run(eager)
+    llm = LLM(tiny_model_dir, async_scheduling=True, **KW)
+    assert llm.engine.core.executor.defers
+    got = _run(llm)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert [g[2] for g in got] == pytest.approx([w[2] for w in want], abs=1e-4)
+    log = LoggedCopy.log
+    waits = {n: log.index(("wait", n)) for _, n in log if ("wait", n) in log}
+    starts = {n: log.index(("start", n)) for _, n in log}
+    assert set(waits) == set(starts)  # every step's ids were taken in the end
+    # overlap: step n's ids were waited for only after step n+1 had been launched (its copy queued)
+    overlapped = [n for n in starts if n + 1 in starts and waits[n] > starts[n + 1]]
+    assert len(overlapped) >= 5, log
+    assert llm.engine.kv.stats()["used"] == 0
+    assert llm.engine.core.executor.worker.model_runner._deferred is None or \
+        llm.engine.core.executor.worker.model_runner._deferred.settled
+
+
+def test_sync_engine_never_defers(tiny_model_dir, graphs_on):
+    """Without async scheduling a graph step's ids are waited for before the step returns."""
+    llm = LLM(tiny_model_dir, async_scheduling=False, **KW)
+    _run(llm)
+    log = LoggedCopy.log
+    assert log and all(log[i] == ("start", n) and log[i + 1] == ("wait", n)
+                       for i, (kind, n) in enumerate(log) if kind == "start")
+
+
+def test_rows_that_change_under_a_deferred_step_get_its_ids_first(tiny_model_dir, graphs_on):
+    """Requests arriving and finishing while steps are deferred (rows dropped and reused), a preempting small
+    pool, and a step that must sample on the host (top-k with logprobs) after deferred ones: all equal the
+    synchronous engine, and no block leaks."""
+    prompts = [[11 + i, 12, 13 + i] * (1 + i % 3) for i in range(10)]
+    params = [SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_tokens=3 + 4 * i, ignore_eos=True,
+                             top_k=20 if i == 7 else -1, logprobs=2 if i == 7 else None) for i in range(10)]
+    kw = dict(KW, num_blocks=8, kv_cache_memory=None)
+    sync = LLM(tiny_model_dir, async_scheduling=False, **kw)
+    want = _run(sync, prompts, params)
+    llm = LLM(tiny_model_dir, async_scheduling=True, **kw)
+    got = _run(llm, prompts, params)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert llm.engine.kv.stats()["used"] == 0
+    assert llm.engine.stats.num_preemptions or sync.engine.stats.num_preemptions
