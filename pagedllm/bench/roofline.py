@@ -157,13 +157,13 @@ def run(args) -> Report:
     r = measure(args.quick, args.model)
     bw = r["bandwidth_Bps"]
     m, k, n = r["gemm_shape"]
-    notes = [f"{os.cpu_count()} CPUs, {r['threads']} torch threads; best of repeated runs (a shared machine's "
-             f"least disturbed run). dtype auto resolves to {resolve_dtype('auto')} here.",
-             f"Bandwidth over {(32 if args.quick else 512)} MB: read {bw['read'] / 1e9:.1f} GB/s, copy (read + write) "
-             f"{bw['copy'] / 1e9:.1f} GB/s. GEMMs at [{m} x {k}] @ [{k} x {n}] (the model's gate/up at a W1-sized "
-             "step).",
-             f"W1: {r['workload']['num']} requests, prompt {r['workload']['prompt_range']}, output "
-             f"{r['workload']['output_range']} (expected lengths); attention FLOPs counted at the GEMM peak."]
+    notes = [(f"{os.cpu_count()} CPUs, {r['threads']} torch threads; best of repeated runs (a shared machine's "
+              f"least disturbed run). dtype auto resolves to {resolve_dtype('auto')} here."),
+             (f"Bandwidth over {(32 if args.quick else 512)} MB: read {bw['read'] / 1e9:.1f} GB/s, copy (read + "
+              f"write) {bw['copy'] / 1e9:.1f} GB/s. GEMMs at [{m} x {k}] @ [{k} x {n}] (the model's gate/up at a "
+              "W1-sized step)."),
+             (f"W1: {r['workload']['num']} requests, prompt {r['workload']['prompt_range']}, output "
+              f"{r['workload']['output_range']} (expected lengths); attention FLOPs counted at the GEMM peak.")]
     notes += [f"not available on this CPU: {name} ({why})" for name, why in r["refused"].items()]
     gemm = Table(["GEMM path", "family", "GFLOP/s"], [[g["name"], g["family"], g["gflops"]] for g in r["gemm"]],
                  "Peak GEMM throughput", 1)

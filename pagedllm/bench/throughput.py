@@ -214,8 +214,8 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
         for row in rows:
             row.insert(-1, None if row[2] is None else 100 * row[2] / ceiling["w1_tok_s"])
         rows.append([f"roofline: W1 ceiling, {fmt}", None, ceiling["w1_tok_s"], None, None, None, 100.0,
-                     f"W1's FLOPs at {ceiling['gemm_gflops']:.0f} GFLOP/s ({ceiling['gemm_path']}, measured in this "
-                     "run, best of several: see bench roofline)"])
+                     (f"W1's FLOPs at {ceiling['gemm_gflops']:.0f} GFLOP/s ({ceiling['gemm_path']}, measured in "
+                      "this run, best of several: see bench roofline)")])
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
     mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
     eng = llm.engine.args
@@ -247,8 +247,8 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
         if ceiling:
             b1_cols.append(f"% of {fmt} batch-1 ceiling")
             b1_rows = [[label, v, v and 100 * v / ceiling["b1_tok_s"]] for label, v in b1_rows]
-            b1_rows.append([f"roofline: {ceiling['step_bytes'] / 1e6:.0f} MB per token at "
-                            f"{roof['bandwidth_Bps']['read'] / 1e9:.1f} GB/s", ceiling["b1_tok_s"], 100.0])
+            b1_rows.append([(f"roofline: {ceiling['step_bytes'] / 1e6:.0f} MB per token at "
+                             f"{roof['bandwidth_Bps']['read'] / 1e9:.1f} GB/s"), ceiling["b1_tok_s"], 100.0])
         tables.append(Table(b1_cols, b1_rows,
                             f"Batch-1 decode ({b1['tokens']} tokens after a 32-token prompt)", 1))
     rep = Report("throughput", "Offline throughput (W1)", notes, tables)

@@ -27,11 +27,11 @@ def test_step_bytes_are_the_checkpoints_matrices(shape):
 
     path = resolve_model_dir(None)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        params = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys()
+        params = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys()  # noqa: SIM118 (safe_open)
                      if len(f.get_slice(k).get_shape()) == 2 and k != "lm_head.weight")
     assert shape.step_bytes("fp32") == 4 * params and shape.step_bytes("bf16") == 2 * params
     with safe_open(os.path.join(path, BLOCKS_FILE), "pt") as f:
-        block_bytes = sum(f.get_tensor(k).numel() for k in f.keys())
+        block_bytes = sum(f.get_tensor(k).numel() for k in f.keys())  # noqa: SIM118
     assert shape.step_bytes("gguf") == block_bytes
     assert shape.layer_qtype() == 3  # SmolLM2's layers are Q4_1
 
