@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from pagedllm.ops import cpu_threads
-from pagedllm.ops.cpu_threads import CpuTimes, ThreadGovernor, governor_for, others_cores, threads_for
+from pagedllm.ops.cpu_threads import (
+    CpuTimes,
+    ThreadGovernor,
+    governor_for,
+    others_cores,
+    threads_for,
+)
 
 
 @pytest.fixture
