@@ -83,11 +83,11 @@ def run(args) -> Report:
             vals = runs[cond][config]
             rows.append([cond, config, sum(vals) / len(vals), min(vals), max(vals),
                          " / ".join(f"{v:.1f}" for v in vals), str(threads[cond][config])])
-    notes = [f"{os.cpu_count()} CPUs; {rounds} rounds, the configurations alternating, each a fresh process; "
-             f"batch-1 decode of {tokens} tokens after a 32-token prompt; contended: a busy Python loop pinned on "
-             f"CPU {max(os.sched_getaffinity(0))} for the whole run.",
-             f"1-minute load average at the start and after each round: {', '.join(f'{v:.1f}' for v in loads)} "
-             "(other work on a shared machine counts as contention for the quiet runs too)."]
+    notes = [(f"{os.cpu_count()} CPUs; {rounds} rounds, the configurations alternating, each a fresh process; "
+              f"batch-1 decode of {tokens} tokens after a 32-token prompt; contended: a busy Python loop pinned on "
+              f"CPU {max(os.sched_getaffinity(0))} for the whole run."),
+             (f"1-minute load average at the start and after each round: {', '.join(f'{v:.1f}' for v in loads)} "
+              "(other work on a shared machine counts as contention for the quiet runs too).")]
     table = Table(["machine", "configuration", "mean tok/s", "min", "max", "runs", "adaptive threads at the end"],
                   rows, "Batch-1 decode under OpenMP spin counts and the thread policy", 1)
     rep = Report("threads", "CPU threads on a shared machine: spin 1000 / 100 / adaptive", notes, [table])
