@@ -1,22 +1,12 @@
-"""The adaptive CPU thread policy: readings of other processes' CPU time, the thread count they give, and the
-engine running its steps on it with the same tokens."""
+"""The adaptive CPU thread policy: the thread count whose steps measure faster, re-tried as the machine changes, and
+the engine running its steps on it with the same tokens."""
 
 from __future__ import annotations
-
-import os
-import time
 
 import pytest
 import torch
 
-from pagedllm.ops import cpu_threads
-from pagedllm.ops.cpu_threads import (
-    CpuTimes,
-    ThreadGovernor,
-    governor_for,
-    others_cores,
-    threads_for,
-)
+from pagedllm.ops.cpu_threads import ThreadGovernor, governor_for
 
 
 @pytest.fixture
@@ -27,60 +17,63 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_others_cores_is_the_busy_time_this_process_did_not_use():
-    before = CpuTimes(busy=1000, total=2000, ours=100)
-    # 200 ticks over 2 CPUs = 1 s of wall time; 150 busy, 50 of them ours: others took 100 ticks = 1 core
-    assert others_cores(before, CpuTimes(1150, 2200, 150), 2) == pytest.approx(1.0)
-    assert others_cores(before, CpuTimes(1100, 2200, 200), 2) == 0.0  # only we ran
-    assert others_cores(before, before, 2) == 0.0  # no time passed
+class FakeSteps:
+    """A clock and forward passes whose duration depends on the thread count they run on."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.t, self.seconds = 0.0, seconds
+
+    def step(self, g: ThreadGovernor, num_tokens: int = 1) -> None:
+        started = g.begin()
+        self.t += self.seconds[torch.get_num_threads()]
+        g.end(num_tokens, started)
+
+    def run(self, g: ThreadGovernor, n: int, num_tokens: int = 1) -> None:
+        for _ in range(n):
+            self.step(g, num_tokens)
 
 
-@pytest.mark.parametrize(("others", "cpus", "most", "want"), [
-    (0.0, 2, 2, 2), (0.4, 2, 2, 2), (0.6, 2, 2, 1), (1.0, 2, 2, 1), (2.0, 2, 2, 1),  # never below one thread
-    (1.0, 8, 8, 7), (0.0, 8, 4, 4),  # never above the engine's own count
-])
-def test_threads_for_the_cores_left(others, cpus, most, want):
-    assert threads_for(others, cpus, most) == want
+def test_governor_keeps_the_faster_thread_count_and_retries(two_threads):
+    quiet = {2: 0.010, 1: 0.018}  # two threads win on free cores
+    contended = {2: 0.030, 1: 0.018}  # a neighbour holds a core: the team of two waits on it
+    m = FakeSteps(quiet)
+    g = ThreadGovernor(period_s=0.5, trial_steps=4, clock=lambda: m.t)
+    m.run(g, 100)  # 1 s: trials of one thread came and went
+    assert g.most == 2 and g.threads == 2 and torch.get_num_threads() == 2
+    assert len(g.samples[(1, 1)]) == 4, "one thread was tried"
+    m.seconds = contended
+    m.run(g, 60)
+    assert g.threads == 1 and torch.get_num_threads() == 1
+    m.seconds = quiet  # the neighbour leaves: the next trial of two threads wins it back
+    m.run(g, 60)
+    assert g.threads == 2 and torch.get_num_threads() == 2
 
 
-class FakeMachine:
-    """A clock and /proc readings where a neighbour takes ``neighbour`` cores and we take what's left."""
-
-    def __init__(self, cpus: int):
-        self.t, self.cpus, self.neighbour = 0.0, cpus, 0.0
-        self.times = CpuTimes(0, 0, 0)
-        self.reads = 0
-
-    def advance(self, seconds: float) -> None:
-        ticks = int(seconds * 100)
-        ours = int(ticks * min(torch.get_num_threads(), self.cpus - self.neighbour))
-        others = int(ticks * self.neighbour)
-        self.times = CpuTimes(self.times.busy + ours + others, self.times.total + ticks * self.cpus,
-                              self.times.ours + ours)
-        self.t += seconds
-
-    def read(self, cpus):
-        self.reads += 1
-        return self.times
+def test_governor_compares_steps_of_one_size_only(two_threads):
+    """A trial started on decode steps is judged on decode steps: big prefills on the other count don't count."""
+    m = FakeSteps({2: 0.010, 1: 0.018})
+    g = ThreadGovernor(period_s=0.095, trial_steps=4, clock=lambda: m.t)
+    m.run(g, 12)  # 10 steps on two threads, then the trial's first two on one
+    assert g.trial == (2, 1) and g.threads == 1
+    m.seconds = {2: 0.001, 1: 0.001}
+    m.step(g, num_tokens=512)  # a prefill on one thread, faster than any decode step
+    assert g.trial == (2, 1) and (1, 10) in g.samples
+    m.seconds = {2: 0.010, 1: 0.018}
+    m.run(g, 2)
+    assert g.trial is None and g.threads == 2
 
 
-def test_governor_gives_a_taken_core_up_and_takes_it_back(two_threads, monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    m = FakeMachine(2)
-    g = ThreadGovernor(period_s=0.5, read=m.read, clock=lambda: m.t)
-    g.adapt()  # the first reading: nothing to compare yet
-    assert g.most == 2 and torch.get_num_threads() == 2
-    m.neighbour = 1.0
-    m.advance(0.1)
-    g.adapt()
-    assert m.reads == 1, "no reading within the period"
-    m.advance(0.5)
-    g.adapt()
-    assert g.others == pytest.approx(1.0, abs=0.05) and torch.get_num_threads() == 1
-    m.neighbour = 0.0
-    m.advance(0.6)
-    g.adapt()
-    assert torch.get_num_threads() == 2 and g.threads == 2
+def test_a_trial_whose_step_size_stops_coming_goes_back(two_threads):
+    m = FakeSteps({2: 0.010, 1: 0.018})
+    g = ThreadGovernor(period_s=0.05, trial_steps=4, clock=lambda: m.t)
+    m.run(g, 7)
+    assert g.trial is not None and g.threads == 1
+    assert g.trial == (2, 1)
+    deadline = g._trial_deadline
+    while g.trial == (2, 1):  # only prefills from now on
+        assert m.t < deadline + 0.02, "the trial outlived its deadline"
+        m.step(g, num_tokens=64)
+    assert g.trial is None and g.threads == 2 and m.t >= deadline
 
 
 def test_governor_for_which_workers(two_threads):
@@ -95,41 +88,25 @@ def test_governor_for_which_workers(two_threads):
         governor_for("spin", cpu, sharded=False)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc")
-def test_real_readings_count_our_own_cpu_time():
-    cpus = frozenset(os.sched_getaffinity(0))
-    before = cpu_threads.read_cpu_times(cpus)
-    deadline = time.monotonic() + 30
-    while cpu_threads.read_cpu_times(cpus).ours < before.ours + 20:  # busy until the kernel charges us 20 ticks
-        assert time.monotonic() < deadline, "this process's CPU time never grew"
-    after = cpu_threads.read_cpu_times(cpus)
-    # our ticks are in the CPUs' busy totals (the per-CPU counters may lag a few ticks behind the process's)
-    assert after.busy - before.busy >= (after.ours - before.ours) - 5
-    assert after.total > before.total and after.busy <= after.total
-
-
-def test_engine_steps_under_contention_on_fewer_threads_with_the_same_tokens(tiny_model_dir, two_threads,
-                                                                                 monkeypatch):
+def test_engine_steps_under_contention_on_fewer_threads_with_the_same_tokens(tiny_model_dir, two_threads):
     from pagedllm import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     fixed = LLM(tiny_model_dir, cpu_thread_policy="fixed", kv_cache_memory=16 << 20)
     assert fixed.engine.forward_pass.threads is None
     want = [o.outputs[0].token_ids for o in fixed.generate(["a b c", "hello there"], params)]
     llm = LLM(tiny_model_dir, kv_cache_memory=16 << 20)  # adaptive is the default
     g = llm.engine.forward_pass.threads
     assert isinstance(g, ThreadGovernor)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    m = FakeMachine(2)
-    m.neighbour = 1.0
-    g.cpus, g.period_s, g._read, g._clock = frozenset({0, 1}), 0.0, m.read, lambda: m.t
-    real_adapt = g.adapt
+    contended = {2: 0.030, 1: 0.018}
+    t = [0.0]
 
-    def adapt():  # each step: the fake machine moves on by a period
-        m.advance(0.5)
-        real_adapt()
+    def clock() -> float:  # each forward pass takes what its thread count costs on the contended machine
+        t[0] += contended[torch.get_num_threads()]
+        return t[0]
 
-    g.adapt = adapt
+    # a trial after ~1 s of steps on two threads; the next would come ~1 s after it, past the run's end
+    llm.engine.forward_pass.threads = g = ThreadGovernor(period_s=1.0, trial_steps=2, clock=clock)
     got = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
     assert got == want
     assert g.threads == 1 and torch.get_num_threads() == 1
