@@ -9,7 +9,8 @@ tok/s with spin 1000 on a 2-core Zen 5). libgomp reads its wait policy once, at 
 at run time; the team's size can. Whether one thread fewer pays depends on the neighbours (one busy process on one
 core: it does; a machine oversubscribed many times over: more threads get more of the CPU), so it is measured, not
 inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s`` runs
-``trial_steps`` steps of one size on the other thread count; the faster median keeps the steps.
+``trial_steps`` steps of one size on the other thread count and as many again on the current one; the other count
+takes over only when its median beats both.
 """
 
 from __future__ import annotations
@@ -18,25 +19,39 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 POLICIES = ("adaptive", "fixed")
 
 
+@dataclass
+class Trial:
+    """One A-B-A comparison on steps of one size: ``other`` must beat ``back`` measured before and after it."""
+
+    back: int  # the thread count the steps ran on
+    other: int  # the one tried
+    bucket: int
+    before: float  # median step seconds on ``back`` before the trial
+    deadline: float
+    tried: float | None = None  # median on ``other``, once measured
+
+
 class ThreadGovernor:
     """Chooses between torch's thread count at start (``most``) and one thread fewer by measuring both. Call
     :meth:`begin` and :meth:`end` around each forward pass, in the thread that runs them (OpenMP's thread count is
-    per calling thread)."""
+    per calling thread). A trial runs ``trial_steps`` steps on the other count, then as many back on the current
+    one; the other count wins only if it beats both by ``margin`` (a shared machine's speed drifts)."""
 
     def __init__(self, period_s: float = 2.0, trial_steps: int = 8, margin: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter):
         self.period_s, self.trial_steps, self.margin, self._clock = period_s, trial_steps, margin, clock
         self.most: int | None = None
         self.threads: int | None = None  # what the steps run on now
-        self.trial: tuple[int, int] | None = None  # (thread count to go back to, step-size bucket) during a trial
+        self.trial: Trial | None = None
         self.samples: dict[tuple[int, int], deque[float]] = {}  # (threads, bucket) -> recent step seconds
-        self._next_trial = self._trial_deadline = 0.0
+        self._next_trial = 0.0
 
     def begin(self) -> float:
         if self.most is None:
@@ -49,24 +64,28 @@ class ThreadGovernor:
         bucket = max(1, num_tokens).bit_length()  # steps of 1, 2-3, 4-7, ... tokens compare with each other
         key = (self.threads, bucket)
         self.samples.setdefault(key, deque(maxlen=self.trial_steps)).append(now - started)
-        if self.trial is not None:
-            back, tb = self.trial
-            if bucket == tb and len(self.samples[key]) >= self.trial_steps:
-                self._decide(back, tb, now)
-            elif now >= self._trial_deadline:  # steps of that size stopped coming: no verdict
-                self._set(back)
-                self.trial, self._next_trial = None, now + self.period_s
-        elif now >= self._next_trial and len(self.samples[key]) >= self.trial_steps:
+        full = len(self.samples[key]) >= self.trial_steps
+        t = self.trial
+        if t is not None:
+            if bucket == t.bucket and full and t.tried is None:  # measured the other count: back, measure again
+                t.tried = statistics.median(self.samples.pop(key))
+                self.samples.pop((t.back, bucket), None)
+                self._set(t.back)
+            elif bucket == t.bucket and full:
+                if t.tried < (1 - self.margin) * min(t.before, statistics.median(self.samples[key])):
+                    self._set(t.other)
+                self._finish(now)
+            elif now >= t.deadline:  # steps of that size stopped coming: no verdict
+                self._set(t.back)
+                self._finish(now)
+        elif now >= self._next_trial and full:
             other = self.most - 1 if self.threads == self.most else self.most
             self.samples.pop((other, bucket), None)  # a trial measures the machine as it is now
-            self.trial, self._trial_deadline = (self.threads, bucket), now + 2 * self.period_s
+            self.trial = Trial(self.threads, other, bucket, statistics.median(self.samples[key]),
+                               now + 3 * self.period_s)
             self._set(other)
 
-    def _decide(self, back: int, bucket: int, now: float) -> None:
-        tried = statistics.median(self.samples[(self.threads, bucket)])
-        kept = statistics.median(self.samples[(back, bucket)])
-        if tried >= kept * (1 - self.margin):
-            self._set(back)
+    def _finish(self, now: float) -> None:
         self.trial, self._next_trial = None, now + self.period_s
 
     def _set(self, threads: int) -> None:
