@@ -21,7 +21,7 @@ def ckpt():
 
 @pytest.fixture
 def native_bf16(monkeypatch):
-    import pagedllm.models.llama as llama
+    from pagedllm.models import llama
 
     monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: True)
 
