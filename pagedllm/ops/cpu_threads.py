@@ -34,6 +34,7 @@ class Trial:
     other: int  # the one tried
     bucket: int
     before: float  # median step seconds on ``back`` before the trial
+    started: float
     deadline: float
     tried: float | None = None  # median on ``other``, once measured
 
@@ -43,6 +44,8 @@ class ThreadGovernor:
     :meth:`begin` and :meth:`end` around each forward pass, in the thread that runs them (OpenMP's thread count is
     per calling thread). A trial runs ``trial_steps`` steps on the other count, then as many back on the current
     one; the other count wins only if it beats both by ``margin`` (a shared machine's speed drifts)."""
+
+    TRIAL_SHARE = 20  # the gap to the next trial is at least this many times the last trial's length
 
     def __init__(self, period_s: float = 2.0, trial_steps: int = 8, margin: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter):
@@ -81,12 +84,15 @@ class ThreadGovernor:
         elif now >= self._next_trial and full:
             other = self.most - 1 if self.threads == self.most else self.most
             self.samples.pop((other, bucket), None)  # a trial measures the machine as it is now
-            self.trial = Trial(self.threads, other, bucket, statistics.median(self.samples[key]),
+            self.trial = Trial(self.threads, other, bucket, statistics.median(self.samples[key]), now,
                                now + 3 * self.period_s)
             self._set(other)
 
     def _finish(self, now: float) -> None:
-        self.trial, self._next_trial = None, now + self.period_s
+        """The next trial after ``period_s``, or 20 times this trial's length when that is longer: a trial's steps
+        on the slower count then cost at most a few % of the time (long W1 steps make long trials)."""
+        spent = now - self.trial.started
+        self.trial, self._next_trial = None, now + max(self.period_s, self.TRIAL_SHARE * spent)
 
     def _set(self, threads: int) -> None:
         torch.set_num_threads(threads)

@@ -39,14 +39,14 @@ def test_governor_keeps_the_faster_thread_count_and_retries(two_threads):
     contended = {2: 0.030, 1: 0.018}  # a neighbour holds a core: the team of two waits on it
     m = FakeSteps(quiet)
     g = ThreadGovernor(period_s=0.5, trial_steps=4, clock=lambda: m.t)
-    m.run(g, 100)  # 1 s: trials of one thread came and went
+    m.run(g, 1000)  # 10 s of steps on free cores
     assert g.most == 2 and g.threads == 2 and torch.get_num_threads() == 2
-    assert m.used.count(1) >= 4, "one thread was tried"
+    assert 4 <= m.used.count(1) <= 0.05 * len(m.used), "one thread was tried, in few of the steps"
     m.seconds = contended
-    m.run(g, 60)
+    m.run(g, 200)
     assert g.threads == 1 and torch.get_num_threads() == 1
-    m.seconds = quiet  # the neighbour leaves: the next trial of two threads wins it back
-    m.run(g, 60)
+    m.seconds = quiet  # the neighbour leaves: a later trial of two threads wins it back
+    m.run(g, 400)
     assert g.threads == 2 and torch.get_num_threads() == 2
 
 
