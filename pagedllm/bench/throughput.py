@@ -8,6 +8,7 @@ import time
 import torch
 
 from pagedllm.bench import baselines as bl
+from pagedllm.bench import roofline
 from pagedllm.bench.common import (
     engine_warmup,
     make_llm,
@@ -38,6 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a8", action="store_true",
                    help="also run the workload on our engine with quantization=gguf-a8 (int8 activations, llama.cpp's "
                         "arithmetic: faster, not bit-exact), right after our exact runs")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="skip measuring this CPU's roofline (bandwidth, peak GEMMs: ~30 s) for the ceiling column")
     p.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (default 128)")
     p.add_argument("--budget", type=float, default=40.0,
                    help="seconds per slow baseline: HF padded batches stop at it (mid-batch) and are measured on "
@@ -110,6 +113,7 @@ def run(args) -> Report:
     llm = make_llm(args.dtype, seed=args.seed, **args.engine_args)
     reqs = random_requests(llm.engine.tokenizer, w["num"], w["prompt_range"], w["output_range"], seed=args.seed)
     engine_warmup(llm)
+    roof = None if args.no_roofline else roofline.measure(args.quick, w=w)
 
     a8_llm = None
     a8_possible = llm.engine.forward_pass.model.quantization == "gguf" and kernel_available(int8_activations=True)
@@ -136,7 +140,7 @@ def run(args) -> Report:
         run_a8()
     for i, b in enumerate(chosen):
         # a bench cut short (time limit, Ctrl-C, a crashing baseline) leaves what it measured on disk
-        emit(_report(args, w, is_w1, bs, budget, llm, reqs, results, None, chosen[i:]), args.out, plot,
+        emit(_report(args, w, is_w1, bs, budget, llm, reqs, results, None, chosen[i:], roof), args.out, plot,
              str(dtype), quiet=True)
         results.append(_run_baseline(b, reqs, dtype, bs, llm, budget))
         if b == "vllm":
@@ -149,12 +153,13 @@ def run(args) -> Report:
     lcpp = next((r for r in results if not isinstance(r, bl.Skipped) and r.system == bl.LLAMA_CPP_NAME), None)
     if lcpp is not None and lcpp.tpot_s:
         b1["llama_cpp"] = len(lcpp.tpot_s) / sum(lcpp.tpot_s)  # mean decode step of its one-at-a-time requests
-    return _report(args, w, is_w1, bs, budget, llm, reqs, results, b1, [])
+    return _report(args, w, is_w1, bs, budget, llm, reqs, results, b1, [], roof)
 
 
 def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs: list[BenchRequest],
-            results: list, b1: dict | None, pending: list[str]) -> Report:
-    """The report over the systems run so far (``pending``: baselines not run yet, for a partial write)."""
+            results: list, b1: dict | None, pending: list[str], roof: dict | None = None) -> Report:
+    """The report over the systems run so far (``pending``: baselines not run yet, for a partial write); ``roof``:
+    this CPU's roofline (``bench/roofline.py``), whose ceilings for our engine's format become a column."""
     ours = results[0]
     ran = [r for r in results if not isinstance(r, bl.Skipped)]
     skipped = [r for r in results if isinstance(r, bl.Skipped)]
@@ -202,6 +207,15 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
         rows.append([s.system, None, None, None, None, None, s.note])
     rows += [[p, None, None, None, None, None, "not run yet (partial results)"] for p in pending]
     cols = ["system", "req/s", "output tok/s", "total tok/s", "time (s)", "pagedllm speedup", "note"]
+    fmt = roofline.format_of(llm.engine.forward_pass.model.act_dtype, llm.engine.forward_pass.model.quantization)
+    ceiling = roof and roofline.floor_for(roof, fmt)
+    if ceiling and ceiling["w1_tok_s"]:
+        cols.insert(-1, f"% of {fmt} W1 ceiling")
+        for row in rows:
+            row.insert(-1, None if row[2] is None else 100 * row[2] / ceiling["w1_tok_s"])
+        rows.append([f"roofline: W1 ceiling, {fmt}", None, ceiling["w1_tok_s"], None, None, None, 100.0,
+                     (f"W1's FLOPs at {ceiling['gemm_gflops']:.0f} GFLOP/s ({ceiling['gemm_path']}, measured in "
+                      "this run, best of several: see bench roofline)")])
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
     mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
     eng = llm.engine.args
@@ -229,14 +243,21 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
                  "hf_dynamic": "HF generate (DynamicCache)",
                  "llama_cpp": "llama.cpp Q4_1 (its sequential W1 requests, prompts 32-512)"}
         b1_rows = [[label, b1[k]] for k, label in names.items() if k in b1]
-        tables.append(Table(["system", "decode tok/s"], b1_rows,
+        b1_cols = ["system", "decode tok/s"]
+        if ceiling:
+            b1_cols.append(f"% of {fmt} batch-1 ceiling")
+            b1_rows = [[label, v, v and 100 * v / ceiling["b1_tok_s"]] for label, v in b1_rows]
+            b1_rows.append([(f"roofline: {ceiling['step_bytes'] / 1e6:.0f} MB per token at "
+                             f"{roof['bandwidth_Bps']['read'] / 1e9:.1f} GB/s"), ceiling["b1_tok_s"], 100.0])
+        tables.append(Table(b1_cols, b1_rows,
                             f"Batch-1 decode ({b1['tokens']} tokens after a 32-token prompt)", 1))
     rep = Report("throughput", "Offline throughput (W1)", notes, tables)
     rep.result = {"workload": {**w, "mean_prompt": mean_p, "mean_output": mean_o, "seed": args.seed, "is_w1": is_w1},
                   "runs": [strip_outputs(r.summary()) for r in ran],
                   "skipped": [{"system": s.system, "note": s.note} for s in skipped],
                   "speedup": speedup,
-                  "decode_b1_tok_s": b1 or {}, "hf_batch_size": bs, "pending": pending, "budget_s": budget}
+                  "decode_b1_tok_s": b1 or {}, "hf_batch_size": bs, "pending": pending, "budget_s": budget,
+                  "roofline": roof}
     return rep
 
 

@@ -59,6 +59,8 @@ class EngineArgs:
     kv_eviction: str = "reuse"  # lru | reuse: what the tiers give up first
     # issue 30: async scheduling
     async_scheduling: bool | None = None  # vLLM's name: schedule step N+1 before step N's tokens are back; None: on CUDA
+    # issue 36: CPU speed per CPU class
+    cpu_thread_policy: str = "adaptive"  # adaptive: the CPU thread count whose steps measure faster; fixed
 
     def __post_init__(self) -> None:
         """Device-dependent defaults: a GPU serves 256 sequences and 8192-token steps without tuning."""

@@ -89,3 +89,9 @@ def parse_size(text: str, plain_unit: str = "") -> int:
 def parse_gib_size(text: str) -> int:
     """Bytes from a plain number of GiB (vLLM's unit) or a size with units."""
     return parse_size(text, "gib")
+
+ENGINE_FLAG_HELP.update({  # issue 36: CPU speed per CPU class
+    "cpu_thread_policy": "adaptive (default): on the CPU, a few steps run on one thread fewer (every 2 s at most) "
+                         "and the faster thread count keeps the steps (a team of spinning threads stalls on a core a "
+                         "neighbour took); fixed: torch's thread count as set",
+})

@@ -37,6 +37,7 @@ class ForwardPass:
         self.backend = backend
         self.block_size = kv_cache.block_size
         self.last_step = StepStats()
+        self.threads = None  # a pagedllm.ops.cpu_threads.ThreadGovernor (the worker's, on a CPU): times each step
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk], copies=()) -> torch.Tensor:
@@ -74,7 +75,10 @@ class ForwardPass:
         """Hidden states ``[T, E]`` of one flat batch whose metadata is already built (the worker's
         persistent batch builds it from tensors); K/V of every token are written to the pool. ``lora``: the
         step's per-token adapters (``pagedllm.lora.delta.LoRAStep``), None for the base model alone."""
+        started = None if self.threads is None else self.threads.begin()
         hidden = self.model(input_ids, meta.positions, self.kv_cache, meta, self.backend, lora)
+        if started is not None:
+            self.threads.end(meta.num_tokens, started)
         self.last_step = StepStats(meta.num_tokens, meta.num_seqs, meta.num_decodes)
         return hidden
 

@@ -157,10 +157,10 @@ class LlamaForCausalLM(nn.Module):
             if ckpt.blocks_path is None:
                 raise ValueError(f"quantization={quantization!r} needs a GGUF checkpoint with Q4_1/Q8_0 matrices; "
                                  "this model has none")
-            if model.act_dtype != torch.float32:
-                raise ValueError(f"quantization={quantization!r} computes in float32: use dtype float32 (or bfloat16 "
-                                 "on a CPU without native bf16)")
             a8 = quantization == "gguf-a8"
+            if model.act_dtype != torch.float32 and not a8:  # gguf-a8's activations are int8 in either dtype
+                raise ValueError(f"quantization={quantization!r} computes in float32: use dtype float32 (or bfloat16 "
+                                 "on a CPU without native bf16), or quantization='gguf-a8'")
             if a8 and not kernel_available(int8_activations=True):
                 raise ValueError("quantization='gguf-a8' needs its C++ kernel (g++ with OpenMP, an AVX2 CPU); "
                                  "use quantization='gguf'")
@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):
-            return self.embed.dequantize(input_ids)
+            return self.embed.dequantize(input_ids).to(self.act_dtype)
         return F.embedding(input_ids, self.embed).to(self.act_dtype)
 
     @torch.inference_mode()

@@ -142,11 +142,15 @@ def require_kernel() -> None:
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None) -> torch.Tensor:
-    """``x [T, K] @ w.T (+ b)`` in fp32, dequantizing the blocks inside the kernel at every batch size."""
-    x = x.float().contiguous()
+    """``x [T, K] @ w.T (+ b)`` in fp32, dequantizing the blocks inside the kernel at every batch size. gguf-a8 also
+    takes bf16 activations (rounded to int8 either way) and returns them in their dtype."""
     if w.int8_activations:
+        xf, bf = x.float().contiguous(), None if b is None else b.float()
         if w.packed:
-            return torch.ops.pagedllm.linear_a8_packed.default(x, w.data, w.qtype, w.shape[0], b)
-        return torch.ops.pagedllm.linear_a8.default(x, w.data, w.qtype, b)
+            y = torch.ops.pagedllm.linear_a8_packed.default(xf, w.data, w.qtype, w.shape[0], bf)
+        else:
+            y = torch.ops.pagedllm.linear_a8.default(xf, w.data, w.qtype, bf)
+        return y.to(x.dtype)
+    x = x.float().contiguous()
     require_kernel()
     return torch.ops.pagedllm.quant_linear.default(x, w.data, w.qtype, b)

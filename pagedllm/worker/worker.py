@@ -23,6 +23,7 @@ from pagedllm.lora.slots import LoRASlots
 from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
+from pagedllm.ops import cpu_threads
 from pagedllm.worker import cuda_graphs, device_check, memory_profile
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.model_runner import ModelRunner
@@ -96,6 +97,7 @@ class Worker:
         self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
                                 dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
         self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
+        self.forward_pass.threads = cpu_threads.governor_for(args.cpu_thread_policy, self.device, tp is not None)
         graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
         if graphs is not None:
             num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out

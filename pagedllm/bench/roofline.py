@@ -1,0 +1,189 @@
+"""``pagedllm bench roofline``: the floors this CPU puts under the embedded model, per weight format.
+
+Measured here (``bench/roofline_measure.py``): streaming read bandwidth and the peak GEMM throughput of every path
+that runs (ours, oneDNN/MKL through torch, bf16, int8). From those and the model's shapes:
+
+* batch-1 decode ceiling = read bandwidth / the bytes of weights one token streams (every layer matrix and the
+  LM head; KV reads are left out: a few hundred KB at W1's lengths against ~100-500 MB of weights);
+* W1 ceiling = W1's output tokens / (its linear FLOPs + attention FLOPs) at the peak GEMM throughput of the path
+  the format runs on (attention counted at that peak too, so the floor is optimistic).
+
+A measured tok/s at or near its ceiling cannot go faster on this machine in that format; the gap to the ceiling is
+what the engine's own overheads cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.bench.report import Report, Table
+from pagedllm.bench.roofline_measure import GemmPath, bandwidth, best_of, gemm_peaks
+from pagedllm.bench.workloads import W1, W1_QUICK
+from pagedllm.models.config import ModelConfig
+from pagedllm.ops.gguf_blocks import BLOCK_BYTES, QUANT_NAMES
+
+GEMM_ROWS = 256  # rows of x in the peak measurement: a W1 step's GEMMs run at hundreds of rows
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The matrices one token multiplies: ``(name, N, K, bytes per format)``, and the attention sizes."""
+
+    config: ModelConfig
+    block_bytes: dict[str, int]  # HF matrix name -> bytes of its GGUF blocks (empty: no GGUF)
+    block_qtypes: dict[str, int]
+
+    def matrices(self) -> list[tuple[str, int, int]]:
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        per_layer = [("self_attn.q_proj", q, c.hidden_size), ("self_attn.k_proj", kv, c.hidden_size),
+                     ("self_attn.v_proj", kv, c.hidden_size), ("self_attn.o_proj", c.hidden_size, q),
+                     ("mlp.gate_proj", c.intermediate_size, c.hidden_size),
+                     ("mlp.up_proj", c.intermediate_size, c.hidden_size),
+                     ("mlp.down_proj", c.hidden_size, c.intermediate_size)]
+        out = [(f"model.layers.{i}.{name}.weight", n, k) for i in range(c.num_layers) for name, n, k in per_layer]
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        return out + [(head, c.vocab_size, c.hidden_size)]
+
+    def layer_params(self) -> int:
+        return sum(n * k for name, n, k in self.matrices()[:-1])
+
+    def head_params(self) -> int:
+        return self.config.vocab_size * self.config.hidden_size
+
+    def step_bytes(self, fmt: str) -> int:
+        """Weight bytes one decode step streams in ``fmt`` (fp32, bf16, gguf: the blocks, dense where a matrix has
+        none, as the engine keeps it)."""
+        if fmt in ("fp32", "bf16"):
+            return (4 if fmt == "fp32" else 2) * (self.layer_params() + self.head_params())
+        return sum(self.block_bytes.get(name, 4 * n * k) for name, n, k in self.matrices())
+
+    def layer_qtype(self) -> int | None:
+        """The block format most layer matrices are in (the one W1's GEMMs run on)."""
+        qts = [self.block_qtypes[name] for name, _, _ in self.matrices()[:-1] if name in self.block_qtypes]
+        return max(set(qts), key=qts.count) if qts else None
+
+
+def model_shape(model: str | None = None) -> ModelShape:
+    """Shapes of ``model`` (None: the embedded SmolLM2) and, for a GGUF, its block sizes, read from the metadata
+    only (no weights loaded)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from pagedllm.models.loader import BLOCKS_FILE, resolve_model_dir
+
+    path = resolve_model_dir(model)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    sizes, qtypes = {}, {}
+    blocks = os.path.join(path, BLOCKS_FILE)
+    if os.path.isfile(blocks):
+        with safe_open(blocks, "pt") as f:
+            for name, spec in (f.metadata() or {}).items():
+                qt, n, k = (int(v) for v in spec.split(":"))
+                sizes[name], qtypes[name] = n * (k // 32) * BLOCK_BYTES[qt], qt
+    return ModelShape(config, sizes, qtypes)
+
+
+def workload_flops(shape: ModelShape, w: dict) -> tuple[float, float]:
+    """Expected (FLOPs, output tokens) per request of a workload with uniform prompt and output lengths: each
+    prompt token and each output token but the last goes through the layers, each output token through the LM
+    head, and the token at position t attends to t + 1 keys (QK and PV: 4 * heads * head_dim per key)."""
+    c = shape.config
+    p = np.arange(w["prompt_range"][0], w["prompt_range"][1] + 1, dtype=np.float64)[:, None]
+    o = np.arange(w["output_range"][0], w["output_range"][1] + 1, dtype=np.float64)[None, :]
+    tokens = p + o - 1
+    attn = 4.0 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
+    flops = 2.0 * shape.layer_params() * tokens + 2.0 * shape.head_params() * o + attn
+    return float(flops.mean()), float(np.broadcast_to(o, tokens.shape).mean())
+
+
+# weight format -> the GEMM family its batched steps run on
+FORMATS = {"fp32": "fp32", "bf16": "bf16", "gguf": "fp32 on {q}", "gguf-a8": "int8"}
+
+
+def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: dict) -> list[dict]:
+    """Per weight format: bytes per decode step, the batch-1 ceiling, the W1 GEMM path and W1's ceiling."""
+    flops, out_tokens = workload_flops(shape, w)
+    qt = shape.layer_qtype()
+    rows = []
+    for fmt, family in FORMATS.items():
+        if fmt.startswith("gguf") and qt is None:
+            continue
+        path = best_of(paths, family.format(q=QUANT_NAMES.get(qt, "")))
+        nbytes = shape.step_bytes(fmt)
+        rows.append({"format": fmt, "step_bytes": nbytes, "b1_tok_s": bw["read"] / nbytes,
+                     "gemm_path": path.name if path else None, "gemm_gflops": path.gflops if path else None,
+                     "w1_tok_s": out_tokens / (flops / (path.gflops * 1e9)) if path else None})
+    return rows
+
+
+def measure(quick: bool, model: str | None = None, w: dict | None = None) -> dict:
+    """The whole roofline: bandwidth, GEMM peaks at the model's gate/up shape, and each format's floors."""
+    shape = model_shape(model)
+    c = shape.config
+    bw = bandwidth((32 << 20) if quick else (512 << 20), budget_s=0.1 if quick else 0.5)
+    qtypes = tuple(sorted(set(shape.block_qtypes.values())))
+    paths, refused = gemm_peaks(32 if quick else GEMM_ROWS, c.hidden_size, 2 * c.intermediate_size, qtypes,
+                                budget_s=0.05 if quick else 0.3)
+    w = w or (W1_QUICK if quick else W1)
+    return {"bandwidth_Bps": bw, "gemm": [p.__dict__ for p in paths], "refused": refused,
+            "gemm_shape": [32 if quick else GEMM_ROWS, c.hidden_size, 2 * c.intermediate_size],
+            "floors": floors(shape, bw, paths, w), "workload": w, "threads": torch.get_num_threads()}
+
+
+def format_of(dtype: torch.dtype, quantization: str) -> str:
+    """The roofline format an engine runs in (its dtype, unless it keeps GGUF blocks)."""
+    if quantization in ("gguf", "gguf-a8"):
+        return quantization
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def floor_for(result: dict, fmt: str) -> dict | None:
+    return next((f for f in result["floors"] if f["format"] == fmt), None)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model whose floors to compute (default: the embedded SmolLM2)")
+
+
+def run(args) -> Report:
+    from pagedllm.config.device import resolve_dtype
+
+    r = measure(args.quick, args.model)
+    bw = r["bandwidth_Bps"]
+    m, k, n = r["gemm_shape"]
+    notes = [(f"{os.cpu_count()} CPUs, {r['threads']} torch threads; best of repeated runs (a shared machine's "
+              f"least disturbed run). dtype auto resolves to {resolve_dtype('auto')} here."),
+             (f"Bandwidth over {(32 if args.quick else 512)} MB: read {bw['read'] / 1e9:.1f} GB/s, copy (read + "
+              f"write) {bw['copy'] / 1e9:.1f} GB/s. GEMMs at [{m} x {k}] @ [{k} x {n}] (the model's gate/up at a "
+              "W1-sized step)."),
+             (f"W1: {r['workload']['num']} requests, prompt {r['workload']['prompt_range']}, output "
+              f"{r['workload']['output_range']} (expected lengths); attention FLOPs counted at the GEMM peak.")]
+    notes += [f"not available on this CPU: {name} ({why})" for name, why in r["refused"].items()]
+    gemm = Table(["GEMM path", "family", "GFLOP/s"], [[g["name"], g["family"], g["gflops"]] for g in r["gemm"]],
+                 "Peak GEMM throughput", 1)
+    fl = Table(["weight format", "MB per decode step", "batch-1 ceiling tok/s", "W1 GEMM path", "GFLOP/s",
+                "W1 ceiling output tok/s"],
+               [[f["format"], f["step_bytes"] / 1e6, f["b1_tok_s"], f["gemm_path"], f["gemm_gflops"], f["w1_tok_s"]]
+                for f in r["floors"]], "Floors of the embedded model", 1)
+    rep = Report("roofline", "Roofline: bandwidth, peak GEMMs and the model's floors per weight format", notes,
+                 [gemm, fl])
+    rep.result = r
+    return rep
+
+
+def plot(fig, result: dict) -> None:
+    fl = result["floors"]
+    ax = fig.add_subplot(121)
+    ax.bar([f["format"] for f in fl], [f["b1_tok_s"] for f in fl], color="tab:gray")
+    ax.set_ylabel("tok/s")
+    ax.set_title(f"batch-1 ceiling ({result['bandwidth_Bps']['read'] / 1e9:.1f} GB/s read)", fontsize=9)
+    ax2 = fig.add_subplot(122)
+    ax2.bar([f["format"] for f in fl], [f["w1_tok_s"] or 0 for f in fl], color="tab:gray")
+    ax2.set_ylabel("output tok/s")
+    ax2.set_title("W1 ceiling (peak GEMM of each format's path)", fontsize=9)

@@ -1,0 +1,109 @@
+"""OpenMP threads that survive a shared machine: the CPU kernels' thread count is the one whose steps measure
+faster, re-tried while the engine runs.
+
+pagedllm's OpenMP threads spin at barriers for ``GOMP_SPINCOUNT`` iterations before sleeping (``pagedllm/__init__``):
+on dedicated cores that is what makes batch-1 decode fast (a step has ~150 parallel regions, waking a sleeping
+thread costs 25-45 us). When another busy process takes one of the cores, a team that still counts on that core
+waits at every barrier for a thread the scheduler has parked, for whole time slices (batch 1 fell from 145 to 45
+tok/s with spin 1000 on a 2-core Zen 5). libgomp reads its wait policy once, at start, so the policy cannot change
+at run time; the team's size can. Whether one thread fewer pays depends on the neighbours (one busy process on one
+core: it does; a machine oversubscribed many times over: more threads get more of the CPU), so it is measured, not
+inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s`` runs
+``trial_steps`` steps of one size on the other thread count and as many again on the current one; the other count
+takes over only when its median beats both.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("adaptive", "fixed")
+
+
+@dataclass
+class Trial:
+    """One A-B-A comparison on steps of one size: ``other`` must beat ``back`` measured before and after it."""
+
+    back: int  # the thread count the steps ran on
+    other: int  # the one tried
+    bucket: int
+    before: float  # median step seconds on ``back`` before the trial
+    started: float
+    deadline: float
+    tried: float | None = None  # median on ``other``, once measured
+
+
+class ThreadGovernor:
+    """Chooses between torch's thread count at start (``most``) and one thread fewer by measuring both. Call
+    :meth:`begin` and :meth:`end` around each forward pass, in the thread that runs them (OpenMP's thread count is
+    per calling thread). A trial runs ``trial_steps`` steps on the other count, then as many back on the current
+    one; the other count wins only if it beats both by ``margin`` (a shared machine's speed drifts)."""
+
+    TRIAL_SHARE = 20  # the gap to the next trial is at least this many times the last trial's length
+
+    def __init__(self, period_s: float = 2.0, trial_steps: int = 8, margin: float = 0.05,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.period_s, self.trial_steps, self.margin, self._clock = period_s, trial_steps, margin, clock
+        self.most: int | None = None
+        self.threads: int | None = None  # what the steps run on now
+        self.trial: Trial | None = None
+        self.samples: dict[tuple[int, int], deque[float]] = {}  # (threads, bucket) -> recent step seconds
+        self._next_trial = 0.0
+
+    def begin(self) -> float:
+        if self.most is None:
+            self.most = self.threads = torch.get_num_threads()
+            self._next_trial = self._clock() + self.period_s
+        return self._clock()
+
+    def end(self, num_tokens: int, started: float) -> None:
+        now = self._clock()
+        bucket = max(1, num_tokens).bit_length()  # steps of 1, 2-3, 4-7, ... tokens compare with each other
+        key = (self.threads, bucket)
+        self.samples.setdefault(key, deque(maxlen=self.trial_steps)).append(now - started)
+        full = len(self.samples[key]) >= self.trial_steps
+        t = self.trial
+        if t is not None:
+            if bucket == t.bucket and full and t.tried is None:  # measured the other count: back, measure again
+                t.tried = statistics.median(self.samples.pop(key))
+                self.samples.pop((t.back, bucket), None)
+                self._set(t.back)
+            elif bucket == t.bucket and full:
+                if t.tried < (1 - self.margin) * min(t.before, statistics.median(self.samples[key])):
+                    self._set(t.other)
+                self._finish(now)
+            elif now >= t.deadline:  # steps of that size stopped coming: no verdict
+                self._set(t.back)
+                self._finish(now)
+        elif now >= self._next_trial and full:
+            other = self.most - 1 if self.threads == self.most else self.most
+            self.samples.pop((other, bucket), None)  # a trial measures the machine as it is now
+            self.trial = Trial(self.threads, other, bucket, statistics.median(self.samples[key]), now,
+                               now + 3 * self.period_s)
+            self._set(other)
+
+    def _finish(self, now: float) -> None:
+        """The next trial after ``period_s``, or 20 times this trial's length when that is longer: a trial's steps
+        on the slower count then cost at most a few % of the time (long W1 steps make long trials)."""
+        spent = now - self.trial.started
+        self.trial, self._next_trial = None, now + max(self.period_s, self.TRIAL_SHARE * spent)
+
+    def _set(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.threads = threads
+
+
+def governor_for(policy: str, device: torch.device, sharded: bool) -> ThreadGovernor | None:
+    """The governor of a worker: ``adaptive`` on a CPU device with more than one thread, unless tensor parallel
+    ranks split the cores themselves; None otherwise (``fixed``: torch's threads as set). ValueError for an unknown
+    policy."""
+    if policy not in POLICIES:
+        raise ValueError(f"cpu_thread_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    usable = policy == "adaptive" and device.type == "cpu" and not sharded
+    return ThreadGovernor() if usable and torch.get_num_threads() > 1 else None

@@ -1,0 +1,105 @@
+"""``pagedllm bench roofline``: the model's bytes and FLOPs are the real ones, the floors follow from the measurements,
+and the measured paths run here (their speed is never asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pagedllm.bench import roofline
+from pagedllm.bench.roofline_measure import GemmPath, best_of, gemm_peaks, random_blocks
+from pagedllm.models.loader import BLOCKS_FILE, resolve_model_dir
+from pagedllm.models.quant import kernel_available
+
+
+@pytest.fixture(scope="module")
+def shape() -> roofline.ModelShape:
+    return roofline.model_shape()
+
+
+def test_step_bytes_are_the_checkpoints_matrices(shape):
+    """fp32 / bf16: every 2-D weight of the checkpoint once (the tied LM head is the embedding); gguf: the bytes of
+    the blocks file's matrices, as the engine keeps them."""
+    from safetensors import safe_open
+
+    path = resolve_model_dir(None)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        params = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys()  # noqa: SIM118 (safe_open)
+                     if len(f.get_slice(k).get_shape()) == 2 and k != "lm_head.weight")
+    assert shape.step_bytes("fp32") == 4 * params and shape.step_bytes("bf16") == 2 * params
+    with safe_open(os.path.join(path, BLOCKS_FILE), "pt") as f:
+        block_bytes = sum(f.get_tensor(k).numel() for k in f.keys())  # noqa: SIM118
+    assert shape.step_bytes("gguf") == block_bytes
+    assert shape.layer_qtype() == 3  # SmolLM2's layers are Q4_1
+
+
+def test_workload_flops_match_a_count_per_request(shape):
+    c = shape.config
+    w = {"prompt_range": (2, 4), "output_range": (1, 3)}
+    total, outs = 0.0, 0
+    pairs = [(p, o) for p in range(2, 5) for o in range(1, 4)]
+    for p, o in pairs:
+        positions = range(p + o - 1)  # the last output token is sampled, never fed back
+        total += sum(2 * shape.layer_params() + 4 * c.num_layers * c.num_heads * c.head_dim * (t + 1)
+                     for t in positions) + o * 2 * shape.head_params()
+        outs += o
+    flops, out_tokens = roofline.workload_flops(shape, w)
+    assert flops == pytest.approx(total / len(pairs)) and out_tokens == pytest.approx(outs / len(pairs))
+
+
+def test_floors_divide_bandwidth_by_bytes_and_flops_by_the_formats_path(shape):
+    paths = [GemmPath("a", "fp32", 100.0), GemmPath("b", "int8", 200.0), GemmPath("c", "fp32 on Q4_1", 50.0)]
+    w = {"prompt_range": (10, 10), "output_range": (5, 5)}
+    rows = {r["format"]: r for r in roofline.floors(shape, {"read": 1e10}, paths, w)}
+    flops, outs = roofline.workload_flops(shape, w)
+    assert rows["bf16"]["b1_tok_s"] == pytest.approx(1e10 / shape.step_bytes("bf16"))
+    assert rows["gguf"]["gemm_path"] == "c" and rows["gguf-a8"]["gemm_path"] == "b"
+    assert rows["gguf"]["w1_tok_s"] == pytest.approx(outs / (flops / 50e9))
+    assert rows["bf16"]["gemm_path"] is None and rows["bf16"]["w1_tok_s"] is None  # no bf16 path measured
+    no_blocks = roofline.ModelShape(shape.config, {}, {})
+    assert [r["format"] for r in roofline.floors(no_blocks, {"read": 1e10}, paths, w)] == ["fp32", "bf16"]
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the C++ GEMM kernel (g++ with OpenMP)")
+@pytest.mark.parametrize("qtype", [3, 8])
+def test_random_blocks_are_valid_matrices(qtype):
+    """The benchmark's made-up blocks multiply exactly like their dequantized fp32 matrix."""
+    blocks = random_blocks(16, 64, qtype, torch.Generator().manual_seed(1))
+    dense = torch.ops.pagedllm.dequantize.default(blocks, qtype, 64)
+    assert torch.isfinite(dense).all() and dense.abs().max() > 0
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(torch.ops.pagedllm.quant_linear.default(x, blocks, qtype, None), x @ dense.T)
+
+
+def test_gemm_peaks_measure_every_path_or_say_why_not(monkeypatch):
+    from pagedllm.bench import roofline_measure
+
+    real = roofline_measure._candidates
+
+    def with_a_refusal(*a):
+        def refuse():
+            raise RuntimeError("could not create a primitive descriptor\nmore")
+
+        return [*real(*a), ("refused path", "bf16", refuse)]
+
+    monkeypatch.setattr(roofline_measure, "_candidates", with_a_refusal)
+    paths, refused = gemm_peaks(8, 64, 32, qtypes=(3,), budget_s=0.0)
+    assert refused["refused path"] == "could not create a primitive descriptor"  # (oneDNN bf16 on AVX2 too)
+    assert all(p.gflops > 0 for p in paths)
+    assert [p.gflops for p in paths] == sorted((p.gflops for p in paths), reverse=True)
+    assert best_of(paths, "fp32") is not None and best_of(paths, "nothing") is None
+
+
+def test_bench_roofline_quick_writes_the_tables(tmp_path, capsys):
+    from pagedllm.bench.cli import main
+
+    assert main(["roofline", "--quick", "--out", str(tmp_path)]) == 0
+    assert "batch-1 ceiling" in capsys.readouterr().out
+    data = json.loads((tmp_path / "roofline.json").read_text())
+    r = data["result"]
+    assert {f["format"] for f in r["floors"]} >= {"fp32", "bf16"}
+    assert r["bandwidth_Bps"]["read"] > 0 and r["gemm"]
+    assert (tmp_path / "roofline.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,114 @@
+"""The adaptive CPU thread policy: the thread count whose steps measure faster, re-tried as the machine changes, and
+the engine running its steps on it with the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.ops.cpu_threads import ThreadGovernor, governor_for
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+class FakeSteps:
+    """A clock and forward passes whose duration depends on the thread count they run on."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.t, self.seconds, self.used = 0.0, seconds, []
+
+    def step(self, g: ThreadGovernor, num_tokens: int = 1) -> None:
+        started = g.begin()
+        self.used.append(torch.get_num_threads())
+        self.t += self.seconds[self.used[-1]]
+        g.end(num_tokens, started)
+
+    def run(self, g: ThreadGovernor, n: int, num_tokens: int = 1) -> None:
+        for _ in range(n):
+            self.step(g, num_tokens)
+
+
+def test_governor_keeps_the_faster_thread_count_and_retries(two_threads):
+    quiet = {2: 0.010, 1: 0.018}  # two threads win on free cores
+    contended = {2: 0.030, 1: 0.018}  # a neighbour holds a core: the team of two waits on it
+    m = FakeSteps(quiet)
+    g = ThreadGovernor(period_s=0.5, trial_steps=4, clock=lambda: m.t)
+    m.run(g, 1000)  # 10 s of steps on free cores
+    assert g.most == 2 and g.threads == 2 and torch.get_num_threads() == 2
+    assert 4 <= m.used.count(1) <= 0.05 * len(m.used), "one thread was tried, in few of the steps"
+    m.seconds = contended
+    m.run(g, 200)
+    assert g.threads == 1 and torch.get_num_threads() == 1
+    m.seconds = quiet  # the neighbour leaves: a later trial of two threads wins it back
+    m.run(g, 400)
+    assert g.threads == 2 and torch.get_num_threads() == 2
+
+
+def test_governor_compares_steps_of_one_size_only(two_threads):
+    """A trial started on decode steps is judged on decode steps: big prefills on the other count don't count."""
+    m = FakeSteps({2: 0.010, 1: 0.018})
+    g = ThreadGovernor(period_s=0.095, trial_steps=4, clock=lambda: m.t)
+    m.run(g, 12)  # 10 steps on two threads, then the trial's first two on one
+    assert (g.trial.back, g.trial.bucket, g.threads) == (2, 1, 1)
+    m.seconds = {2: 0.001, 1: 0.001}
+    m.step(g, num_tokens=512)  # a prefill on one thread, faster than any decode step
+    assert g.trial.tried is None and (1, 10) in g.samples
+    m.seconds = {2: 0.010, 1: 0.018}
+    m.run(g, 2)  # the trial's 4 decode steps on one thread: back to two, measured again
+    assert g.trial.tried == pytest.approx(0.018) and g.threads == 2
+    m.run(g, 4)
+    assert g.trial is None and g.threads == 2
+
+
+def test_a_trial_whose_step_size_stops_coming_goes_back(two_threads):
+    m = FakeSteps({2: 0.010, 1: 0.018})
+    g = ThreadGovernor(period_s=0.05, trial_steps=4, clock=lambda: m.t)
+    m.run(g, 7)
+    assert g.trial is not None and g.threads == 1
+    deadline = g.trial.deadline
+    while g.trial is not None and g.trial.bucket == 1:  # only prefills from now on
+        assert m.t < deadline + 0.02, "the trial outlived its deadline"
+        m.step(g, num_tokens=64)
+    assert g.trial is None and g.threads == 2 and m.t >= deadline
+
+
+def test_governor_for_which_workers(two_threads):
+    cpu = torch.device("cpu")
+    assert isinstance(governor_for("adaptive", cpu, sharded=False), ThreadGovernor)
+    assert governor_for("fixed", cpu, sharded=False) is None
+    assert governor_for("adaptive", cpu, sharded=True) is None  # tensor-parallel ranks split the cores themselves
+    assert governor_for("adaptive", torch.device("cuda"), sharded=False) is None
+    torch.set_num_threads(1)
+    assert governor_for("adaptive", cpu, sharded=False) is None  # one thread: nothing to adapt
+    with pytest.raises(ValueError, match="cpu_thread_policy must be one of adaptive, fixed"):
+        governor_for("spin", cpu, sharded=False)
+
+
+def test_engine_steps_under_contention_on_fewer_threads_with_the_same_tokens(tiny_model_dir, two_threads):
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    fixed = LLM(tiny_model_dir, cpu_thread_policy="fixed", kv_cache_memory=16 << 20)
+    assert fixed.engine.forward_pass.threads is None
+    want = [o.outputs[0].token_ids for o in fixed.generate(["a b c", "hello there"], params)]
+    llm = LLM(tiny_model_dir, kv_cache_memory=16 << 20)  # adaptive is the default
+    g = llm.engine.forward_pass.threads
+    assert isinstance(g, ThreadGovernor)
+    contended = {2: 0.030, 1: 0.018}
+    t = [0.0]
+
+    def clock() -> float:  # each forward pass takes what its thread count costs on the contended machine
+        t[0] += contended[torch.get_num_threads()]
+        return t[0]
+
+    # a trial after ~1 s of steps on two threads; the next would come ~1 s after it, past the run's end
+    llm.engine.forward_pass.threads = g = ThreadGovernor(period_s=1.0, trial_steps=2, clock=clock)
+    got = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
+    assert got == want
+    assert g.threads == 1 and torch.get_num_threads() == 1
