@@ -26,3 +26,16 @@ class LoRARequest:
 def lora_id_of(lora: LoRARequest | None) -> int:
     """The adapter id a request runs with; 0 for the base model."""
     return 0 if lora is None else lora.lora_int_id
+
+
+@dataclass
+class AdapterPages:
+    """An adapter the core made resident (issue 32): the worker stores ``payload`` (its packed weights, see
+    ``pagedllm.lora.pages``) in KV blocks ``pages`` before the step's forward; ``error`` instead when it failed
+    to load (a step that uses it then fails with that reason)."""
+
+    lora_id: int
+    rank: int
+    pages: list[int]
+    payload: object = None  # torch.Tensor (kept untyped: this module imports nothing heavy)
+    error: str | None = None
