@@ -300,6 +300,8 @@ class Scheduler:
                     continue
                 if not self._try_admit(req, budget, out, scheduled):
                     self.waiting.appendleft(req)
+                    if self.adapters is not None and self.adapters.evict_one(self._lora_busy() | {req.lora_id}):
+                        continue  # an idle adapter's pages went back to the pool: try it again
                     return
                 if key is not None and req.metrics.num_cached_tokens == 0:
                     in_flight.add(key)

@@ -81,6 +81,21 @@ def test_adapter_weights_live_in_their_kv_pages(tiny_model_dir, tiny_adapters):
     llm.engine.shutdown()
 
 
+def test_idle_adapters_give_their_pages_to_new_requests(tiny_model_dir, tiny_hf, tiny_adapters):
+    """Two idle adapters hold 28 of 30 blocks; a base request needing 4 evicts them rather than waiting forever."""
+    llm = make_llm(tiny_model_dir, num_blocks=30)
+    for i in (2, 6):  # ranks 16 and 12: 16 + 12 pages
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest(f"a{i}", i + 1, tiny_adapters[i]))
+    kv, pager = llm.engine.kv, llm.engine.scheduler.adapters
+    assert kv.num_page_blocks == 28
+    prompt = LONG[:44]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == peft_greedy(tiny_hf, None, [prompt], 6)[0]
+    assert pager.num_evictions >= 1 and kv.num_page_blocks < 28
+    llm.engine.core.check_integrity()
+    llm.engine.shutdown()
+
+
 def test_adapter_load_does_not_stall_the_batch(tiny_model_dir, tiny_hf, tiny_adapters):
     """An adapter whose read is blocked (an Event-gated loader) keeps its request waiting while a base and a
     resident adapter's request step on; once the read ends the request runs, exactly."""
