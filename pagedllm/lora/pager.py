@@ -80,10 +80,14 @@ class AdapterPager:
         if got is None:
             return False
         rank, packed = got
-        if isinstance(packed, str):  # the read failed: the step that uses it fails with the reason
+        n = self.pages_for(rank)
+        if not isinstance(packed, str) and n > self.kv.num_blocks:
+            packed = (f"adapter {lora.lora_name!r} needs {n} KV blocks as pages; the pool has {self.kv.num_blocks} "
+                      "(raise kv_cache_memory)")
+        if isinstance(packed, str):  # it cannot be served: the step that uses it fails with the reason
             self.pending.append(AdapterPages(lid, rank, [], None, packed))
             return True
-        pages = self._allocate(lid, self.pages_for(rank), busy)
+        pages = self._allocate(lid, n, busy)
         if pages is None:
             return False
         self.resident[lid] = rank
@@ -115,8 +119,6 @@ class AdapterPager:
         return got
 
     def _allocate(self, lora_id: int, n: int, busy: set[int]) -> list[int] | None:
-        if n > self.kv.num_blocks:
-            raise ValueError(f"adapter {lora_id} needs {n} KV blocks as pages; the pool has {self.kv.num_blocks}")
         while (pages := self.kv.allocate_pages(_owner(lora_id), n)) is None:
             if not self.evict_one(busy):
                 return None
