@@ -199,6 +199,9 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
+        for req, why in self.scheduler.failed:  # issue 32: an adapter that cannot be served fails its request
+            self.abort_request(req.request_id, error=why)
+        self.scheduler.failed.clear()
         so = self._worker_step(sched)
         prev, self._in_flight = self._in_flight, None
         if not sched.chunks:

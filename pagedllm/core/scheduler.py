@@ -85,6 +85,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
         self.adapters = None  # issue 32: the LoRA adapters' pages in the pool (lora.pager.AdapterPager), if any
+        self.failed: list[tuple[Request, str]] = []  # requests whose adapter cannot be served: the core fails them
 
     # ----------------------------------------------------------------- queues
     def add(self, req: Request) -> None:
@@ -315,7 +316,11 @@ class Scheduler:
         held = self._lora_busy()
         if req.lora_id not in held and len(held) >= self.config.max_loras:
             return False
-        return self.adapters is None or self.adapters.ready(req.lora_request, held)  # loaded and in its pages
+        try:
+            return self.adapters is None or self.adapters.ready(req.lora_request, held)  # read and in its pages
+        except ValueError as e:  # LoRALoadError: this request fails with the reason, the others go on
+            self.failed.append((req, str(e)))
+            return False
 
     def _lora_busy(self) -> set[int]:
         """Adapters that running or swapped requests use (their pages stay)."""

@@ -25,7 +25,6 @@ class LoRAManager:
         self.shapes, self.max_rank, self.dtype, self.kv_cache = shapes, max_rank, dtype, kv_cache
         self.slots = LoRASlots(shapes, max_loras, max_rank, dtype, device)
         self.pages: dict[int, tuple[list[int], int]] = {}  # adapter id -> (its KV pages, its rank)
-        self.errors: dict[int, str] = {}  # adapters whose read failed: why
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.free_slots = list(range(max_loras - 1, -1, -1))  # popped lowest first: steps use few leading slots
         self.num_slot_fills = 0  # slots filled from pages (tests and stats)
@@ -33,11 +32,6 @@ class LoRAManager:
     def store(self, ap: AdapterPages) -> None:
         """Write an adapter the core made resident into its pages (a slot holding an older copy is dropped)."""
         self._drop_slot(ap.lora_id)
-        if ap.error is not None:
-            self.errors[ap.lora_id] = ap.error
-            self.pages.pop(ap.lora_id, None)
-            return
-        self.errors.pop(ap.lora_id, None)
         self.kv_cache.write_pages(ap.pages, ap.payload)
         self.pages[ap.lora_id] = (list(ap.pages), ap.rank)
 
@@ -66,8 +60,6 @@ class LoRAManager:
         if lora_id in self.slot_of:
             self.slot_of.move_to_end(lora_id)
             return
-        if lora_id in self.errors:
-            raise ValueError(self.errors[lora_id])
         if lora_id not in self.pages:
             raise ValueError(f"adapter id {lora_id} has no pages: the core scheduled it before making it resident")
         pages, rank = self.pages[lora_id]

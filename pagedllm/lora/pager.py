@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from pagedllm.kv.kv_cache_manager import KVCacheManager
-from pagedllm.lora.adapter import LoRAShapes, load_adapter
+from pagedllm.lora.adapter import LoRALoadError, LoRAShapes, load_adapter
 from pagedllm.lora.pages import pack, packed_bytes
 from pagedllm.protocol.lora_request import AdapterPages, LoRARequest
 
@@ -71,7 +71,8 @@ class AdapterPager:
     def ready(self, lora: LoRARequest, busy: set[int]) -> bool:
         """Whether a request for ``lora`` can run this step: its adapter holds pages (made so now if it was
         read and the pool has room once idle adapters are evicted; ``busy``: ids running requests use). False
-        while it is being read or the pool is short: the request waits, the others go on."""
+        while it is being read or the pool is short: the request waits, the others go on. LoRALoadError when
+        it cannot be served (its read failed, or it is larger than the pool): its requests fail with the reason."""
         lid = lora.lora_int_id
         if lid in self.resident:
             self.resident.move_to_end(lid)
@@ -81,12 +82,9 @@ class AdapterPager:
             return False
         rank, packed = got
         n = self.pages_for(rank)
-        if not isinstance(packed, str) and n > self.kv.num_blocks:
-            packed = (f"adapter {lora.lora_name!r} needs {n} KV blocks as pages; the pool has {self.kv.num_blocks} "
-                      "(raise kv_cache_memory)")
-        if isinstance(packed, str):  # it cannot be served: the step that uses it fails with the reason
-            self.pending.append(AdapterPages(lid, rank, [], None, packed))
-            return True
+        if n > self.kv.num_blocks:
+            raise LoRALoadError(f"adapter {lora.lora_name!r} needs {n} KV blocks as pages; the pool has "
+                                f"{self.kv.num_blocks} (raise kv_cache_memory)")
         pages = self._allocate(lid, n, busy)
         if pages is None:
             return False
@@ -94,8 +92,9 @@ class AdapterPager:
         self.pending.append(AdapterPages(lid, rank, pages, packed))
         return True
 
-    def _host_copy(self, lora: LoRARequest) -> tuple[int, torch.Tensor | str] | None:
-        """The packed adapter if read (None while it is; the first call starts the read)."""
+    def _host_copy(self, lora: LoRARequest) -> tuple[int, torch.Tensor] | None:
+        """The packed adapter if read (None while it is; the first call starts the read; a failed read raises
+        LoRALoadError once, and the next request for it reads again)."""
         lid = lora.lora_int_id
         if lid in self.host:
             self.host.move_to_end(lid)
@@ -112,7 +111,7 @@ class AdapterPager:
             got = fut.result()
         except Exception as e:  # noqa: BLE001 - any failure of a registered adapter fails its requests, not the engine
             log.warning("adapter %r failed to load: %s", lora.lora_name, e)
-            return 0, f"adapter {lora.lora_name!r} failed to load: {e}"
+            raise LoRALoadError(f"adapter {lora.lora_name!r} failed to load: {e}") from None
         self.host[lid] = got
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)

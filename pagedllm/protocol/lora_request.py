@@ -31,11 +31,9 @@ def lora_id_of(lora: LoRARequest | None) -> int:
 @dataclass
 class AdapterPages:
     """An adapter the core made resident (issue 32): the worker stores ``payload`` (its packed weights, see
-    ``pagedllm.lora.pages``) in KV blocks ``pages`` before the step's forward; ``error`` instead when it failed
-    to load (a step that uses it then fails with that reason)."""
+    ``pagedllm.lora.pages``) in KV blocks ``pages`` before the step's forward."""
 
     lora_id: int
     rank: int
     pages: list[int]
-    payload: object = None  # torch.Tensor (kept untyped: this module imports nothing heavy)
-    error: str | None = None
+    payload: object  # torch.Tensor (kept untyped: this module imports nothing heavy)

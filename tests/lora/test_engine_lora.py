@@ -132,6 +132,30 @@ def test_adapter_load_does_not_stall_the_batch(tiny_model_dir, tiny_hf, tiny_ada
     eng.shutdown()
 
 
+def test_adapter_broken_after_its_check_fails_only_its_request(tiny_model_dir, tiny_hf, tiny_adapters, tmp_path):
+    """The file breaks between the front end's check and the pager's read: that request ends with the reason,
+    the base request beside it finishes exactly, and nothing leaks."""
+    import shutil
+
+    path = tmp_path / "a0"
+    shutil.copytree(tiny_adapters[0], path)
+    llm = make_llm(tiny_model_dir)
+    eng = llm.engine
+    long = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    bad_id = eng.add_request([4, 5, 7], GREEDY, lora_request=LoRARequest("a0", 1, str(path)))
+    base_id = eng.add_request([4, 5, 6], long)
+    (path / "adapter_model.safetensors").write_bytes(b"broken")
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            final[out.request_id] = out
+    assert "weights file is broken" in final[bad_id].error
+    assert final[base_id].outputs[0].token_ids == peft_greedy(tiny_hf, None, [[4, 5, 6]], 8)[0]
+    assert eng.kv.pool.num_used == 0
+    eng.core.check_integrity()
+    eng.shutdown()
+
+
 def test_adapter_slots_come_out_of_the_kv_budget(tiny_model_dir):
     base = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=4 << 20)
     lora = make_llm(tiny_model_dir, max_loras=4, max_lora_rank=16)

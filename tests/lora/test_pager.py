@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.lora.adapter import LoRALoadError
 from pagedllm.lora.pager import AdapterPager
 from pagedllm.lora.pages import packed_bytes
 from pagedllm.protocol.lora_request import LoRARequest
@@ -70,8 +71,8 @@ def test_lru_eviction_spares_busy_adapters():
     kv.check_integrity()
     pager.check_integrity()
     assert not pager.ready(lora(9), busy={2, 5})  # 9 pages: nothing idle to evict, it waits
-    assert until_ready(pager, lora(11), set())  # larger than the pool: its requests fail with the reason
-    assert "needs 11 KV blocks as pages; the pool has 10" in pager.take_pending()[-1].error
+    with pytest.raises(LoRALoadError, match="needs 11 KV blocks as pages; the pool has 10"):
+        until_ready(pager, lora(11), set())  # larger than the pool: its requests fail with the reason
 
 
 def test_integrity_catches_a_page_with_a_stray_reference():
@@ -84,7 +85,8 @@ def test_integrity_catches_a_page_with_a_stray_reference():
 
 def test_a_failed_read_fails_its_requests_not_the_pool():
     kv, pager = pager_with(6, fail={2})
-    assert until_ready(pager, lora(2), set())
-    (ap,) = pager.take_pending()
-    assert ap.pages == [] and "disk gone" in ap.error and kv.num_page_blocks == 0
+    with pytest.raises(LoRALoadError, match="'a2' failed to load: disk gone"):
+        until_ready(pager, lora(2), set())
+    assert pager.take_pending() == [] and kv.num_page_blocks == 0 and not pager.loading
     pager.check_integrity()
+    assert not pager.ready(lora(2), set()) and 2 in pager.loading  # a later request reads it again
