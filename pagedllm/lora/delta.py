@@ -41,13 +41,14 @@ class LoRAStep:
 
     @classmethod
     def build(cls, slots: LoRASlots, slot_of_token: torch.Tensor, dtype: torch.dtype,
-              min_segment: int = SEGMENT_MIN_TOKENS) -> "LoRAStep | None":
+              min_segment: int | None = None) -> "LoRAStep | None":
         """None when no token uses an adapter (the step runs the base model's path untouched). ``slot_of_token``
         is on the host (read here without a device sync); the step's tensors go to the slots' device. Segmented
-        when the adapter tokens average ``min_segment`` per adapter (never on CUDA: its kernels gather)."""
+        when the adapter tokens average ``min_segment`` (default ``SEGMENT_MIN_TOKENS``) per adapter (never on CUDA: its kernels gather)."""
         if slot_of_token.numel() == 0 or int(slot_of_token.max()) < 0:
             return None
         k = int(slot_of_token.max()) + 1
+        min_segment = SEGMENT_MIN_TOKENS if min_segment is None else min_segment
         dev = slots.layers[0]["o"].a.device
         counts = torch.bincount(slot_of_token + 1, minlength=k + 1)[1:]
         used = int((counts > 0).sum())
