@@ -44,7 +44,8 @@ class LoRAStep:
               min_segment: int | None = None) -> "LoRAStep | None":
         """None when no token uses an adapter (the step runs the base model's path untouched). ``slot_of_token``
         is on the host (read here without a device sync); the step's tensors go to the slots' device. Segmented
-        when the adapter tokens average ``min_segment`` (default ``SEGMENT_MIN_TOKENS``) per adapter (never on CUDA: its kernels gather)."""
+        when the adapter tokens average ``min_segment`` (default ``SEGMENT_MIN_TOKENS``) per adapter (never on
+        CUDA: its kernels gather)."""
         if slot_of_token.numel() == 0 or int(slot_of_token.max()) < 0:
             return None
         k = int(slot_of_token.max()) + 1

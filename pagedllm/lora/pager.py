@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.lora.adapter import LoRALoadError, LoRAShapes, load_adapter
 from pagedllm.lora.pages import pack, packed_bytes
+from pagedllm.lora.registry import shapes_for_model
 from pagedllm.protocol.lora_request import AdapterPages, LoRARequest
 
 log = logging.getLogger("pagedllm.lora")
@@ -55,8 +55,6 @@ class AdapterPager:
         """The pager of an engine's ``EngineArgs`` and worker ``KVCacheSpec``; None without enable_lora."""
         if not args.enable_lora:
             return None
-        from pagedllm.lora.registry import shapes_for_model
-
         return cls(kv, shapes_for_model(args.model), args.max_lora_rank, spec.kv_pool["page_bytes"],
                    args.max_cpu_loras or args.max_loras)
 

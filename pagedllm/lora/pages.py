@@ -47,7 +47,10 @@ def pack(adapter: LoRAAdapter, shapes: LoRAShapes) -> torch.Tensor:
     return flat
 
 
-def unpack(flat: torch.Tensor, shapes: LoRAShapes, rank: int) -> list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]]:
+GroupViews = tuple[torch.Tensor, list[torch.Tensor]]  # (A [targets, r, in], [B^T [r, out] per target])
+
+
+def unpack(flat: torch.Tensor, shapes: LoRAShapes, rank: int) -> list[dict[str, GroupViews]]:
     """Views into ``flat`` per layer and group: ``(A [targets, r, in], [B^T [r, out] per target])``."""
     out, pos = [], 0
 

@@ -17,7 +17,6 @@ from pagedllm.lora.adapter import GROUPS, LoRAAdapter, LoRAShapes
 from pagedllm.lora.pages import pack, unpack
 
 
-
 @dataclass
 class GroupWeights:
     a: torch.Tensor  # [slots, targets, R, in]
