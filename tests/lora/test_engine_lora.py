@@ -156,6 +156,17 @@ def test_adapter_broken_after_its_check_fails_only_its_request(tiny_model_dir, t
     eng.shutdown()
 
 
+def test_adapter_pages_cross_to_a_worker_process(tiny_model_dir, tiny_hf, tiny_adapters):
+    """With the worker in another process the packed weights travel in the step message and land in its pages."""
+    llm = make_llm(tiny_model_dir, distributed_executor_backend="mp")
+    loras = [LoRARequest(f"a{i}", i + 1, tiny_adapters[i]) for i in (0, 2)]
+    outs = llm.generate([[3, 4, 5], [3, 4, 6]], GREEDY, use_tqdm=False, lora_request=loras)
+    for o, lr, p in zip(outs, loras, ([3, 4, 5], [3, 4, 6])):
+        assert o.outputs[0].token_ids == peft_greedy(tiny_hf, lr.lora_path, [p], 6)[0], lr
+    llm.engine.core.check_integrity()
+    llm.engine.shutdown()
+
+
 def test_adapter_slots_come_out_of_the_kv_budget(tiny_model_dir):
     base = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=4 << 20)
     lora = make_llm(tiny_model_dir, max_loras=4, max_lora_rank=16)
