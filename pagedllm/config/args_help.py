@@ -49,10 +49,11 @@ ENGINE_FLAG_HELP = {
     # issue 32: multi-LoRA serving
     "enable_lora": "serve PEFT LoRA adapters (requests choose one by its name as the OpenAI 'model')",
     "lora_modules": "adapters to serve from the start, as name=path (a PEFT adapter directory) ...",
-    "max_loras": "adapter slots on the device (their memory comes out of the KV cache budget); a step mixes at most "
-                 "this many adapters",
+    "max_loras": "adapter compute slots on the device (their memory comes out of the KV cache budget; resident "
+                 "adapters are stored in KV blocks); a step mixes at most this many adapters",
     "max_lora_rank": "the highest adapter rank accepted; higher ones are refused at load",
-    "max_cpu_loras": "loaded adapters kept in host memory, least recently used dropped first (default: max_loras)",
+    "max_cpu_loras": "adapters kept read and packed in host memory (one paged in again is not read again), least "
+                     "recently used dropped first (default: max_loras)",
     "gpu_memory_utilization": "fraction of the GPU's memory this engine may use: the KV pool gets it less the weights "
                               "and the peak of a profiled forward at --max-num-batched-tokens (CUDA only; "
                               "--kv-cache-memory or --num-blocks override it)",

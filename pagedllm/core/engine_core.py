@@ -28,6 +28,7 @@ from pagedllm.executor import Executor, make_executor
 from pagedllm.protocol.errors import WorkerError
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.kv.tier_setup import build_tiers
+from pagedllm.lora.pager import AdapterPager
 
 log = logging.getLogger("pagedllm.core")
 
@@ -79,6 +80,7 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, policy=args.scheduling_policy, batching=args.batching,
             max_loras=args.max_loras if args.enable_lora else 0))
+        self.scheduler.adapters = AdapterPager.for_engine(args, spec, self.kv)  # issue 32: adapters in KV pages
         self.beam = BeamSearch(self)
         self._structured = None  # StructuredOutputManager, made with the first structured request
         self.speculator = Speculator.from_config(args.speculative_config, getattr(self.executor, "worker", None),
@@ -198,10 +200,13 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
+        for req, why in self.scheduler.failed:  # issue 32: an adapter that cannot be served fails its request
+            self.abort_request(req.request_id, error=why)
+        self.scheduler.failed.clear()
         so = self._worker_step(sched)
         prev, self._in_flight = self._in_flight, None
         if not sched.chunks:
-            if so.swap_out or so.swap_in or so.copies or so.forks or so.finished_seq_ids:
+            if so.swap_out or so.swap_in or so.copies or so.forks or so.finished_seq_ids or so.lora_pages:
                 self.executor.execute(so)
             if prev is not None:
                 self._resolve(prev)
@@ -283,7 +288,7 @@ class EngineCore:
     def _worker_step(self, sched: Schedule) -> SchedulerOutput:
         """The schedule as plain data: what the worker has not seen, and what changed."""
         so = SchedulerOutput(forks=self._forks, finished_seq_ids=self._released, swap_out=sched.swap_out,
-                             swap_in=sched.swap_in, copies=sched.copies)
+                             swap_in=sched.swap_in, copies=sched.copies, lora_pages=sched.lora_pages)
         self._forks, self._released = [], []
         for c in sched.chunks:
             seq, req = c.seq, c.seq.request
@@ -468,7 +473,7 @@ class EngineCore:
         if len(st.history) > 4096:
             del st.history[:2048]
         if self.args.check_integrity:
-            self.kv.check_integrity()
+            self.check_integrity()
 
     # ------------------------------------------------------------------ KV blocks between engines
     def export_kv_blocks(self, block_ids: list[int]) -> dict:
@@ -515,6 +520,8 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.scheduler.adapters is not None:
+            self.scheduler.adapters.check_integrity()
 
     @property
     def model_name(self) -> str:
@@ -524,6 +531,8 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
         self.kv.close()  # the pool's cached blocks to the KV tiers (a restart finds them on disk)
+        if self.scheduler.adapters is not None:
+            self.scheduler.adapters.close()
         self.executor.shutdown()
 
 

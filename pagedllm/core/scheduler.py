@@ -69,6 +69,7 @@ class Schedule:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0
+    lora_pages: list = field(default_factory=list)  # issue 32: adapters the worker stores in their pages first
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +84,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.adapters = None  # issue 32: the LoRA adapters' pages in the pool (lora.pager.AdapterPager), if any
+        self.failed: list[tuple[Request, str]] = []  # requests whose adapter cannot be served: the core fails them
 
     # ----------------------------------------------------------------- queues
     def add(self, req: Request) -> None:
@@ -130,6 +133,8 @@ class Scheduler:
             if self._schedule_seqs(req, budget, out, scheduled, partial_ok=True):
                 i += 1
                 continue
+            if self.adapters is not None and self.adapters.evict_one(self._lora_busy()):
+                continue  # an idle adapter's pages went back to the pool: try again before preempting
             victim = self._preemption_victim()
             before_req = self.running.index(victim) < i
             self._preempt(victim, out, budget, scheduled)
@@ -141,7 +146,11 @@ class Scheduler:
             self._swap_in(budget, out, scheduled)
         if not out.preempted and not self.swapped:
             self._admit(budget, out, scheduled)
+            if not out.chunks and not self.running and self.adapters is not None and self.adapters.wait_for_load():
+                self._admit(budget, out, scheduled)  # nothing else to run: the queue waited on an adapter's read
         out.copies = self.kv.take_pending_copies()
+        if self.adapters is not None:
+            out.lora_pages = self.adapters.take_pending()
         return out
 
     def _schedule_seqs(self, req: Request, budget: list[int], out: Schedule, scheduled: set[int],
@@ -287,7 +296,7 @@ class Scheduler:
                 if self.num_running_seqs() + live > self.config.max_num_seqs:
                     return
                 req = self._next_waiting()
-                if not self._lora_fits(req):  # its adapter waits for a free slot; others go ahead
+                if not self._lora_fits(req):  # its adapter waits for a free slot or its load; others go ahead
                     deferred.append(req)
                     continue
                 key = self._first_block_key(req) if dedupe and req.seqs[0].num_computed == 0 else None
@@ -302,6 +311,8 @@ class Scheduler:
                     continue
                 if not self._try_admit(req, budget, out, scheduled):
                     self.waiting.appendleft(req)
+                    if self.adapters is not None and self.adapters.evict_one(self._lora_busy() | {req.lora_id}):
+                        continue  # an idle adapter's pages went back to the pool: try it again
                     return
                 if key is not None and req.metrics.num_cached_tokens == 0:
                     in_flight.add(key)
@@ -312,8 +323,18 @@ class Scheduler:
         """Whether admitting ``req`` keeps the running and swapped requests' adapters within ``max_loras``."""
         if not req.lora_id:
             return True
-        held = {r.lora_id for q in (self.running, self.swapped) for r in q if r.lora_id}
-        return req.lora_id in held or len(held) < self.config.max_loras
+        held = self._lora_busy()
+        if req.lora_id not in held and len(held) >= self.config.max_loras:
+            return False
+        try:
+            return self.adapters is None or self.adapters.ready(req.lora_request, held)  # read and in its pages
+        except ValueError as e:  # LoRALoadError: this request fails with the reason, the others go on
+            self.failed.append((req, str(e)))
+            return False
+
+    def _lora_busy(self) -> set[int]:
+        """Adapters that running or swapped requests use (their pages stay)."""
+        return {r.lora_id for q in (self.running, self.swapped) for r in q if r.lora_id}
 
     def _try_admit(self, req: Request, budget: list[int], out: Schedule, scheduled: set[int]) -> bool:
         """Schedule ``req``'s first chunk; on failure undo everything it got this step."""

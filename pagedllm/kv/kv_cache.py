@@ -182,6 +182,35 @@ class KVCache:
         if self.dtype == torch.int8:
             self.scales.index_copy_(3, idx, scales.to(self.scales.device))
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one block holds across every layer, K and V (scales not counted): what an adapter page stores
+        (issue 32: LoRA weights paged in the KV pool's memory)."""
+        return self.data[:, :, :, : self.block_size].numel() * self.data.element_size()
+
+    def _page_view(self) -> torch.Tensor:
+        """The pool's rows as bytes ``[L, 2, Hkv, blocks, block_size * D * itemsize]``: a page is one block."""
+        L, two, H, slots, D = self.data.shape
+        return self.data.view(torch.uint8).view(L, two, H, slots // self.block_size, -1)
+
+    def write_pages(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Store the bytes of ``payload`` (any dtype, at most ``len(block_ids) * page_bytes``) in the blocks."""
+        view = self._page_view()
+        data = payload.detach().contiguous().view(-1).view(torch.uint8)
+        room = len(block_ids) * self.page_bytes
+        if data.numel() > room:
+            raise ValueError(f"payload of {data.numel()} bytes does not fit {len(block_ids)} pages ({room} bytes)")
+        padded = torch.zeros(room, dtype=torch.uint8)
+        padded[: data.numel()] = data.cpu()
+        L, two, H, _, C = view.shape
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=view.device)
+        view.index_copy_(3, idx, padded.view(L, two, H, len(block_ids), C).to(view.device))
+
+    def read_pages(self, block_ids: list[int], num_bytes: int) -> torch.Tensor:
+        """The first ``num_bytes`` bytes :meth:`write_pages` stored in ``block_ids`` (uint8, on the pool's device)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
+        return self._page_view().index_select(3, idx).reshape(-1)[:num_bytes]
+
     def _host(self) -> torch.Tensor:
         if self.host is None:
             raise RuntimeError("KVCache has no host tier (num_host_blocks=0); swap is unavailable")

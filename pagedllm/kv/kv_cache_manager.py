@@ -88,6 +88,34 @@ class KVCacheManager:
         self._kv_cache: KVCache | None = None
         self._demote: list[tuple[int, int, tuple[int, ...], int, int]] = []  # evicted: id, hash, tokens, depth, hits
         self._loads: dict[int, _Load] = {}  # disk promotions in flight, by the first block's hash
+        self._pages: dict[Hashable, list[int]] = {}  # issue 32: blocks held as pages by an owner (a LoRA adapter)
+
+    # ---- pages: blocks that hold something other than KV (issue 32: LoRA adapter weights) --------
+
+    def allocate_pages(self, owner: Hashable, n: int) -> list[int] | None:
+        """``n`` blocks held by ``owner`` (one reference each, never hashed), or None if fewer are free: an
+        adapter's weights compete with the KV cache for the same pool (S-LoRA's unified paging)."""
+        if owner in self._pages:
+            raise ValueError(f"{owner!r} already holds pages")
+        if n > self.pool.num_free:
+            return None
+        self._pages[owner] = ids = self.pool.allocate_many(n)
+        return ids
+
+    def free_pages(self, owner: Hashable) -> int:
+        """Give back every page ``owner`` holds; returns how many."""
+        ids = self._pages.pop(owner, [])
+        for b in ids:  # never a copy's source or destination: straight back to the pool
+            self.pool.free(b)
+        return len(ids)
+
+    def pages_of(self, owner: Hashable) -> list[int]:
+        return list(self._pages.get(owner, ()))
+
+    @property
+    def num_page_blocks(self) -> int:
+        """Blocks held as pages (counted as used in ``num_free_blocks`` and ``usage``)."""
+        return sum(map(len, self._pages.values()))
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -627,6 +655,8 @@ class KVCacheManager:
             )
         holders = {b: len(o) for b, o in self._owners().items()}
         for b in self._deferred:
+            holders[b] = holders.get(b, 0) + 1
+        for b in (b for ids in self._pages.values() for b in ids):  # pages: one holder each
             holders[b] = holders.get(b, 0) + 1
         for b in pool.blocks:
             if b.ref_count != holders.get(b.block_id, 0):

@@ -20,6 +20,9 @@ from pagedllm.protocol.lora_request import LoRARequest
 
 # PEFT's module names, in the order the model's fused projections hold them
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the model's fused projections and the PEFT targets each holds, in output order
+GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+                                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 

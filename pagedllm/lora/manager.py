@@ -1,9 +1,8 @@
-"""The worker's adapters: which one sits in which device slot, loaded on demand, least recently used evicted.
-
-Adapters the core has announced (``register``) are read from disk when a step first needs them and kept in a
-host-memory LRU of ``max_cpu_loras``; a step's adapters are copied into device slots, evicting the least
-recently used slots that no row of this step needs. The scheduler never mixes more adapters in a step than
-there are slots, so a step always fits.
+"""The worker's adapters: each resident one's weights stored in its KV pages (the core's ``lora.pager``
+chose them), and the step's adapters copied from their pages into ``max_loras`` compute slots, least
+recently used slots that no row of the step needs evicted. The scheduler never mixes more adapters in a
+step than there are slots, and only schedules an adapter's rows once its pages are written, so a step
+always fits and never reads a page that is not there.
 """
 
 from __future__ import annotations
@@ -12,42 +11,38 @@ from collections import OrderedDict
 
 import torch
 
-from pagedllm.lora.adapter import LoRAAdapter, LoRAShapes, load_adapter
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.lora.adapter import LoRAShapes
 from pagedllm.lora.delta import LoRAStep
+from pagedllm.lora.pages import packed_bytes
 from pagedllm.lora.slots import LoRASlots
-from pagedllm.protocol.lora_request import LoRARequest
+from pagedllm.protocol.lora_request import AdapterPages
 
 
 class LoRAManager:
-    def __init__(self, shapes: LoRAShapes, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
+    def __init__(self, shapes: LoRAShapes, max_loras: int, max_rank: int, kv_cache: KVCache,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.shapes, self.max_rank, self.dtype = shapes, max_rank, dtype
-        self.max_cpu_loras = max(max_cpu_loras or max_loras, 1)
+        self.shapes, self.max_rank, self.dtype, self.kv_cache = shapes, max_rank, dtype, kv_cache
         self.slots = LoRASlots(shapes, max_loras, max_rank, dtype, device)
-        self.requests: dict[int, LoRARequest] = {}
+        self.pages: dict[int, tuple[list[int], int]] = {}  # adapter id -> (its KV pages, its rank)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.free_slots = list(range(max_loras - 1, -1, -1))  # popped lowest first: steps use few leading slots
-        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # loaded adapters, least recently used first
-        self.num_loads = 0  # adapters read from disk (tests and stats)
+        self.num_slot_fills = 0  # slots filled from pages (tests and stats)
 
-    def register(self, lora: LoRARequest) -> None:
-        """Remember where adapter ``lora.lora_int_id`` lives; a different path under a known id replaces it."""
-        old = self.requests.get(lora.lora_int_id)
-        if old is not None and old != lora:
-            self.remove(lora.lora_int_id)
-        self.requests[lora.lora_int_id] = lora
+    def store(self, ap: AdapterPages) -> None:
+        """Write an adapter the core made resident into its pages (a slot holding an older copy is dropped)."""
+        self._drop_slot(ap.lora_id)
+        self.kv_cache.write_pages(ap.pages, ap.payload)
+        self.pages[ap.lora_id] = (list(ap.pages), ap.rank)
 
-    def remove(self, lora_id: int) -> None:
-        """Forget an adapter (unloaded): its slot is freed and its host copy dropped."""
-        self.requests.pop(lora_id, None)
-        self.host.pop(lora_id, None)
+    def _drop_slot(self, lora_id: int) -> None:
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
             self.free_slots.append(slot)
             self.free_slots.sort(reverse=True)
 
     def step(self, lora_of_token: torch.Tensor) -> LoRAStep | None:
-        """The step's ``LoRAStep`` for per-token adapter ids ``[T]`` (0: base), making each adapter resident."""
+        """The step's ``LoRAStep`` for per-token adapter ids ``[T]`` (0: base), each adapter put in a slot."""
         if lora_of_token.numel() == 0:
             return None
         ids, inverse = torch.unique(lora_of_token, return_inverse=True)
@@ -57,33 +52,23 @@ class LoRAManager:
         if len(wanted) > self.slots.num_slots:
             raise ValueError(f"a step mixes {len(wanted)} adapters; max_loras is {self.slots.num_slots}")
         for lora_id in wanted:
-            self._make_resident(lora_id, set(wanted))
+            self._fill_slot(lora_id, set(wanted))
         slot_of_id = torch.tensor([self.slot_of[i] if i else -1 for i in ids.tolist()], dtype=torch.int64)
         return LoRAStep.build(self.slots, slot_of_id[inverse], self.dtype)
 
-    def _make_resident(self, lora_id: int, needed: set[int]) -> None:
+    def _fill_slot(self, lora_id: int, needed: set[int]) -> None:
         if lora_id in self.slot_of:
             self.slot_of.move_to_end(lora_id)
             return
+        if lora_id not in self.pages:
+            raise ValueError(f"adapter id {lora_id} has no pages: the core scheduled it before making it resident")
+        pages, rank = self.pages[lora_id]
         if self.free_slots:
             slot = self.free_slots.pop()
         else:  # the least recently used slot this step does not need
             victim = next(i for i in self.slot_of if i not in needed)
             slot = self.slot_of.pop(victim)
-        self.slots.write(slot, self._host_copy(lora_id))
+        flat = self.kv_cache.read_pages(pages, packed_bytes(self.shapes, rank)).view(torch.float32)
+        self.slots.write_packed(slot, flat, rank)
         self.slot_of[lora_id] = slot
-
-    def _host_copy(self, lora_id: int) -> LoRAAdapter:
-        adapter = self.host.get(lora_id)
-        if adapter is not None:
-            self.host.move_to_end(lora_id)
-            return adapter
-        lora = self.requests.get(lora_id)
-        if lora is None:
-            raise ValueError(f"adapter id {lora_id} was never registered with the worker")
-        adapter = load_adapter(lora, self.shapes, self.max_rank)
-        self.num_loads += 1
-        self.host[lora_id] = adapter
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
-        return adapter
+        self.num_slot_fills += 1

@@ -13,11 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.lora.adapter import LoRAAdapter, LoRAShapes
-
-# the model's fused projections and the PEFT targets each holds, in output order
-GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-                                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+from pagedllm.lora.adapter import GROUPS, LoRAAdapter, LoRAShapes
+from pagedllm.lora.pages import pack, unpack
 
 
 @dataclass
@@ -60,19 +57,18 @@ class LoRASlots:
         return shapes.num_layers * slots * max_rank * per_rank * torch.finfo(dtype).bits // 8
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy ``adapter`` into ``slot``, zeroing whatever the slot held that the adapter does not train."""
-        if adapter.rank > self.max_rank:
-            raise ValueError(f"adapter rank {adapter.rank} is above max_lora_rank {self.max_rank}")
-        for layer, groups in enumerate(self.layers):
-            for g, targets in GROUPS.items():
+        """Copy ``adapter`` into ``slot`` (zeros where it trains nothing)."""
+        self.write_packed(slot, pack(adapter, self.shapes), adapter.rank)
+
+    def write_packed(self, slot: int, flat: torch.Tensor, rank: int) -> None:
+        """Copy an adapter packed by ``lora.pages.pack`` (read back from its pages) into ``slot``."""
+        if rank > self.max_rank:
+            raise ValueError(f"adapter rank {rank} is above max_lora_rank {self.max_rank}")
+        for groups, packed in zip(self.layers, unpack(flat, self.shapes, rank)):
+            for g, (a, bs) in packed.items():
                 w = groups[g]
-                w.a[slot].zero_()
-                for t, target in enumerate(targets):
-                    w.b[t][slot].zero_()
-                    ab = adapter.weights.get((layer, target))
-                    if ab is None:
-                        continue
-                    a, b = ab
-                    r = a.shape[0]
-                    w.a[slot, t, :r].copy_(a)
-                    w.b[t][slot, :r].copy_(b.t())
+                w.a[slot, :, :rank].copy_(a)
+                w.a[slot, :, rank:].zero_()
+                for b_slot, b in zip(w.b, bs):
+                    b_slot[slot, :rank].copy_(b)
+                    b_slot[slot, rank:].zero_()

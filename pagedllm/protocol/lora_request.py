@@ -26,3 +26,14 @@ class LoRARequest:
 def lora_id_of(lora: LoRARequest | None) -> int:
     """The adapter id a request runs with; 0 for the base model."""
     return 0 if lora is None else lora.lora_int_id
+
+
+@dataclass
+class AdapterPages:
+    """An adapter the core made resident (issue 32): the worker stores ``payload`` (its packed weights, see
+    ``pagedllm.lora.pages``) in KV blocks ``pages`` before the step's forward."""
+
+    lora_id: int
+    rank: int
+    pages: list[int]
+    payload: object  # torch.Tensor (kept untyped: this module imports nothing heavy)

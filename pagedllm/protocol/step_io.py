@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.protocol.lora_request import LoRARequest
+from pagedllm.protocol.lora_request import AdapterPages, LoRARequest
 from pagedllm.protocol.sampling_params import SamplingParams
 
 BlockPairs = list[tuple[int, int]]
@@ -54,7 +54,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     """One step for the worker. Applied in field order: forks, finished, new, scheduled diffs,
-    then swap-out, swap-in and copy-on-write block copies, then the forward pass."""
+    then swap-out, swap-in and copy-on-write block copies, adapter pages, then the forward pass."""
 
     forks: list[tuple[int, int, int]] = field(default_factory=list)  # (parent, child, child sample index)
     finished_seq_ids: list[int] = field(default_factory=list)  # rows the worker drops
@@ -65,6 +65,7 @@ class SchedulerOutput:
     copies: BlockPairs = field(default_factory=list)  # copy-on-write (src, dst)
     grammar_bitmask: torch.Tensor | None = None  # [len(scheduled), words]: allowed next tokens, one bit each
     grammar_rows: list[int] = field(default_factory=list)  # indices into scheduled that the bitmask constrains
+    lora_pages: list[AdapterPages] = field(default_factory=list)  # adapters to store in their pages (before the forward)
     defer_output: bool = False  # the core folds this step in after it launched the next: the worker may answer
     # with a ``DeferredOutput`` (its executor says whether it ever does: ``Executor.defers``)
 

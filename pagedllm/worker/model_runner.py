@@ -52,8 +52,6 @@ class ModelRunner:
             batch.remove(sid)
         for new in so.new_seqs:
             batch.add(new)
-            if new.lora is not None:
-                self._lora_manager().register(new.lora)
         rows = [batch.apply(s) for s in so.scheduled]
         if so.swap_out:
             self.kv_cache.swap_out(so.swap_out)
@@ -61,6 +59,8 @@ class ModelRunner:
             self.kv_cache.swap_in(so.swap_in)
         if so.copies:
             self.kv_cache.copy_blocks(so.copies)
+        for ap in so.lora_pages:  # adapters made resident this step: their weights into their KV pages
+            self._lora_manager().store(ap)
         if not so.scheduled:
             return ModelRunnerOutput()
         inp = batch.prepare(so.scheduled, rows)

@@ -87,8 +87,6 @@ class Worker:
             lora_bytes = LoRASlots.bytes_for(shapes, args.max_loras, args.max_lora_rank, model.act_dtype)
             if args.num_blocks is None:
                 num_blocks -= -(-lora_bytes // KVCache.bytes_per_block(*dims))
-            lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, args.max_cpu_loras, model.act_dtype,
-                               self.device)
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
         num_host_blocks = KVCache.num_blocks_for_budget(args.swap_space, *dims) if args.swap_space else 0
@@ -98,6 +96,8 @@ class Worker:
                                 dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
         self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
         self.forward_pass.threads = cpu_threads.governor_for(args.cpu_thread_policy, self.device, tp is not None)
+        if args.enable_lora:  # resident adapters live in KV pages; the compute slots were taken from the budget
+            lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, self.kv_cache, model.act_dtype, self.device)
         graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
         if graphs is not None:
             num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
@@ -105,7 +105,8 @@ class Worker:
                                                                       self.device), Sampler(eos), graphs, lora)
         self.spec = KVCacheSpec(num_blocks, num_host_blocks, args.block_size, max_model_len, cfg.vocab_size, eos,
                                 args.model or "SmolLM2-135M-Instruct", model.quantization, str(dtype).split(".")[-1],
-                                str(kv_dtype).split(".")[-1], backend, str(self.device), self.kv_cache.describe())
+                                str(kv_dtype).split(".")[-1], backend, str(self.device),
+                                {**self.kv_cache.describe(), "page_bytes": self.kv_cache.page_bytes})
 
     @property
     def model(self) -> LlamaForCausalLM:

@@ -1,5 +1,6 @@
 """The batched LoRA delta equals each token's own adapter applied alone (``y + scaling * B A x``), for the torch
-path and the Triton BGMV kernels (in Triton's interpreter here, on CUDA where one is at hand)."""
+paths (masked and segmented) and the Triton BGMV kernels (in Triton's interpreter here, on CUDA where one is at
+hand)."""
 
 from __future__ import annotations
 
@@ -58,12 +59,14 @@ def inputs(group: str, T: int, seed: int):
     return torch.randn(T, out, generator=g), torch.randn(T, SHAPES.shapes[targets[0]][1], generator=g)
 
 
+@pytest.mark.parametrize("segmented", [False, True])
 @pytest.mark.parametrize("group", list(GROUPS))
 @pytest.mark.parametrize("layer", [0, 1])
-def test_torch_path_matches_definition(setup, group, layer):
+def test_torch_paths_match_definition(setup, group, layer, segmented):
     slots, per_token, slot_of_token = setup
     y, x = inputs(group, len(per_token), layer)
-    step = LoRAStep.build(slots, slot_of_token, torch.float32)
+    step = LoRAStep.build(slots, slot_of_token, torch.float32, min_segment=1 if segmented else 10**9)
+    assert (step.runs is not None) == segmented
     want = reference(y, x, per_token, layer, group)
     step.add_(layer, group, y, x)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
@@ -85,7 +88,7 @@ def test_triton_bgmv_matches_torch_path(setup, group):
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter (tests/conftest.py)
     y, x = inputs(group, len(per_token), 7)
     want = y.clone()
-    step = LoRAStep.build(slots, slot_of_token, torch.float32)
+    step = LoRAStep.build(slots, slot_of_token, torch.float32, min_segment=10**9)
     add_masked_(want, x, slots.layers[1][group], step.mask, step.k)
     w = slots.layers[1][group]
     wd = GroupWeights(w.a.to(dev), [b.to(dev) for b in w.b], w.bounds)

@@ -34,5 +34,5 @@ def test_mixed_batch_matches_peft(llm, tiny_hf, tiny_adapters):
         assert mine == want, f"adapter {lr and lr.lora_name}: {mine} != HF+PEFT {want}"
     # the adapters really change the output: the 9 runs of the 4 prompts are all different
     assert len({tuple(map(tuple, got[k * len(PROMPTS):(k + 1) * len(PROMPTS)])) for k in range(len(loras))}) == 9
-    assert llm.engine.kv.pool.num_used == 0  # every block back after the requests finished
+    assert llm.engine.kv.pool.num_used == llm.engine.kv.num_page_blocks > 0  # KV blocks back; adapter pages stay
     llm.engine.core.check_integrity()
