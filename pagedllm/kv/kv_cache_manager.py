@@ -67,10 +67,12 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        eviction: str = "lru",
     ) -> None:
+        """``eviction``: which cached-free block an allocation takes, ``lru`` or ``reuse`` (kv/block_eviction.py)."""
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, eviction)
         self.prefix_cache = PrefixCache(self.pool)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -308,11 +310,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block without demoting it, and empty the host tier (the disk tier
         is kept: it is the persistent one). Returns how many pool blocks were dropped."""
-        on_drop, self.prefix_cache.on_drop = self.prefix_cache.on_drop, None
-        try:
-            n = self.prefix_cache.evict(self.pool.num_cached_free)
-        finally:
-            self.prefix_cache.on_drop = on_drop
+        n = self.prefix_cache.evict(self.pool.num_cached_free, demote=False)
         if self.tiers is not None and self.tiers.host is not None:
             self.tiers.host.clear()
         return n
