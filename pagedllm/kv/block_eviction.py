@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from pagedllm.kv.reuse_score import add_use, use_weight
+from pagedllm.kv.reuse_score import DEPTH_WEIGHT, add_use, use_weight
 
 
 class EvictableBlock(Protocol):
@@ -57,7 +57,7 @@ class ReuseEviction:
 
     name = "reuse"
 
-    def __init__(self, half_life: float, depth_weight: float = 1.0) -> None:
+    def __init__(self, half_life: float, depth_weight: float = DEPTH_WEIGHT) -> None:
         if half_life <= 0:
             raise ValueError(f"half_life must be > 0, got {half_life}")
         self.half_life = half_life
@@ -95,11 +95,12 @@ class ReuseEviction:
 
 
 def make_eviction(name: str, num_blocks: int) -> LRUEviction | ReuseEviction:
-    """The pool's eviction order for ``--kv-eviction``; reuse counts decay by half every two pools' worth
-    of releases (a block must be reused within a few turnovers of the pool to stay)."""
+    """The pool's eviction order for ``--kv-eviction``; reuse counts decay by half every four pools' worth
+    of releases (a block must be reused within a few turnovers of the pool to stay). Half-life and depth
+    weight were chosen on the Zipf RAG trace (bench/README.md, tiers)."""
     if name == "lru":
         return LRUEviction()
     if name == "reuse":
-        return ReuseEviction(half_life=2.0 * num_blocks)
+        return ReuseEviction(half_life=4.0 * num_blocks, depth_weight=DEPTH_WEIGHT)
     raise ValueError(f"kv_eviction must be one of lru, reuse, got {name!r}")
 

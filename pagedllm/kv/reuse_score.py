@@ -13,6 +13,11 @@ from __future__ import annotations
 import math
 
 NO_KEY = -math.inf  # a block never used: it goes first
+# A use of a chain's first block counts 1.1, of a deep block ~1. Small on purpose: every hit on a deep block
+# also passes through its ancestors, so frequency already ranks a chain's head above its tail, and a
+# request releases its tail first. A weight of 1 kept many documents' first blocks instead of the popular
+# documents whole (Zipf RAG through the engine: 1.10x LRU's hit tokens at 1.0, 1.11-1.13x at 0.1, 1.14x at 0).
+DEPTH_WEIGHT = 0.1
 
 
 def use_weight(depth: int, depth_weight: float) -> float:

@@ -16,7 +16,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from pagedllm.kv.reuse_score import NO_KEY, add_use, decayed, use_weight
+from pagedllm.kv.reuse_score import DEPTH_WEIGHT, NO_KEY, add_use, decayed, use_weight
 
 POLICIES = ("lru", "reuse")
 
@@ -58,7 +58,7 @@ class LRUPolicy:
 class ReusePolicy:
     """Decayed, depth-weighted use counts (kv/reuse_score.py) in a lazy min-heap; see the module docstring."""
 
-    def __init__(self, half_life: float = 2048.0, depth_weight: float = 1.0) -> None:
+    def __init__(self, half_life: float = 2048.0, depth_weight: float = DEPTH_WEIGHT) -> None:
         self.half_life = half_life
         self.depth_weight = depth_weight
         self._clock = 0

@@ -43,8 +43,8 @@ def test_policy_picks_the_pool_victim(eviction, survivor, evicted):
 
 @pytest.mark.parametrize("eviction, victim", [("lru", 1), ("reuse", 0)])
 def test_reuse_gives_up_the_deeper_block_at_equal_use(eviction, victim):
-    pool = BlockPool(2, 4, eviction)
-    a, b = pool.allocate_many(2)
+    pool = BlockPool(64, 4, eviction)  # (a pool's worth of releases decays uses: a big pool, little decay)
+    a, b = pool.allocate_many(64)[:2]
     pool.set_hash(a, 11, (1, 2, 3, 4), depth=3)
     pool.set_hash(b, 12, (5, 6, 7, 8), depth=0)  # a chain's first block: every longer prefix needs it
     pool.free(b)  # freed first: LRU's victim
