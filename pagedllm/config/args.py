@@ -56,7 +56,7 @@ class EngineArgs:
     kv_offload_memory: int = 0  # bytes of host RAM for blocks the pool evicts (L2); 0: none
     kv_disk_path: str | None = None  # directory for the persistent disk tier (L3); None: none
     kv_disk_size: int = 50 * 2**30  # bytes the disk tier may use
-    kv_eviction: str = "reuse"  # lru | reuse: what the tiers give up first
+    kv_eviction: str = "reuse"  # lru | reuse: what the pool and the tiers give up first
     # issue 30: async scheduling
     async_scheduling: bool | None = None  # vLLM's name: schedule step N+1 before step N's tokens are back; None: on CUDA
     # issue 36: CPU speed per CPU class

@@ -68,7 +68,8 @@ ENGINE_FLAG_HELP.update({  # issue 31: KV tiers
     "kv_disk_path": "directory for the persistent KV disk tier (L3): checksummed block files a restarted engine "
                     "finds again; shared safely by several engines",
     "kv_disk_size": "bytes the KV disk tier may use, units allowed (50GiB)",
-    "kv_eviction": "what the KV tiers give up first: lru, or reuse (decayed hit frequency plus prefix depth)",
+    "kv_eviction": "which cached KV blocks the pool and the KV tiers give up first: lru, or reuse (decayed use "
+                   "count, shallow prefix blocks weighted up)",
 })
 
 SIZE_FIELDS = ("kv_cache_memory", "swap_space", "kv_offload_memory", "kv_disk_size")

@@ -68,7 +68,8 @@ class EngineCore:
         self.limits = RequestLimits(spec.max_model_len, spec.num_blocks, spec.block_size, spec.vocab_size)
         self.eos_token_ids = list(spec.eos_token_ids)
         self.max_model_len = spec.max_model_len
-        self.kv = KVCacheManager(spec.num_blocks, spec.block_size, args.enable_prefix_caching, spec.num_host_blocks)
+        self.kv = KVCacheManager(spec.num_blocks, spec.block_size, args.enable_prefix_caching, spec.num_host_blocks,
+                                 args.kv_eviction)
         self.kv_events = make_publisher(args.kv_events_config, spec.block_size)  # vLLM's KV events, or None
         if self.kv_events is not None:
             self.kv.prefix_cache.on_event = self.kv_events.record

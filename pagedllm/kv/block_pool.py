@@ -2,18 +2,24 @@
 
 Free blocks wait in two O(1) doubly linked queues: blocks without a hash (handed out first, since
 reusing them loses nothing) and cached blocks (freed but still findable by the prefix cache) in
-LRU order. Handing out a cached block is the lazy eviction: its hash is dropped at that moment.
+the order they were freed. Which cached block an allocation takes is the eviction policy's choice
+(kv/block_eviction.py: LRU, or predicted reuse); handing it out is the lazy eviction: its hash is
+dropped at that moment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from pagedllm.kv.block_eviction import LRUEviction, ReuseEviction, make_eviction
+from pagedllm.kv.reuse_score import NO_KEY
+
 
 class Block:
     """One physical block. ``prev``/``next`` link it into a free queue (both None when in use)."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "depth", "hits", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "depth", "hits", "reuse_key", "generation",
+                 "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -22,6 +28,8 @@ class Block:
         self.token_ids: tuple[int, ...] | None = None  # kept with the hash to verify prefix hits
         self.depth = 0  # position in its prefix chain and prefix hits since hashed: what the
         self.hits = 0  # tiers' reuse-aware eviction scores when the block is demoted
+        self.reuse_key = NO_KEY  # the pool's reuse eviction: decayed uses of this content (kv/reuse_score.py)
+        self.generation = 0  # of its latest entry in that policy's heap
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -80,9 +88,10 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """``num_blocks`` blocks of ``block_size`` tokens with O(1) allocate / incref / free."""
+    """``num_blocks`` blocks of ``block_size`` tokens with O(1) allocate / incref / free (O(log n) to pick a
+    cached block under the ``reuse`` eviction policy)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru") -> None:
         if not isinstance(block_size, int) or not 1 <= block_size <= 256 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -92,8 +101,10 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.unhashed = FreeBlockQueue(self.blocks)
         self.cached = FreeBlockQueue()
-        # Called with a cached block when it is handed out again, so the index forgets its hash.
-        self.on_evict: Callable[[Block], None] | None = None
+        self.eviction: LRUEviction | ReuseEviction = make_eviction(eviction, num_blocks)
+        # Called with a block whose hash is dropped, so the index forgets it, and whether the content is
+        # evicted (worth saving below the pool) or about to be overwritten / discarded (not).
+        self.on_evict: Callable[[Block, bool], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -114,16 +125,21 @@ class BlockPool:
         return self.blocks[block_id]
 
     def allocate(self) -> int:
-        """Hand out one block with ref_count 1: an unhashed one if any, else the LRU cached one."""
+        """Hand out one block with ref_count 1: an unhashed one if any, else the eviction policy's victim."""
         if self.unhashed.size:
             b = self.unhashed.popleft()
         elif self.cached.size:
-            b = self.cached.popleft()
+            b = self.victim()
+            self.cached.remove(b)
             self.drop_hash(b)
         else:
             raise RuntimeError("KV block pool exhausted: no free block to allocate")
         b.ref_count = 1
         return b.block_id
+
+    def victim(self) -> Block:
+        """The cached-free block the eviction policy gives up next (the cached queue must not be empty)."""
+        return self.blocks[self.eviction.victim(self.cached, self.blocks).block_id]
 
     def allocate_many(self, n: int) -> list[int]:
         """All-or-nothing allocation of ``n`` blocks."""
@@ -144,8 +160,14 @@ class BlockPool:
         if b.ref_count <= 0:
             raise ValueError(f"block {block_id} is not allocated (ref_count {b.ref_count}); double free?")
         b.ref_count -= 1
+        if b.block_hash is not None:
+            self.eviction.released(b)
         if b.ref_count == 0:
-            (self.unhashed if b.block_hash is None else self.cached).append(b)
+            if b.block_hash is None:
+                self.unhashed.append(b)
+            else:
+                self.cached.append(b)
+                self.eviction.cached(b)
 
     def set_hash(self, block_id: int, block_hash: int, token_ids: tuple[int, ...], depth: int = 0) -> None:
         b = self._block(block_id)
@@ -155,14 +177,16 @@ class BlockPool:
         b.token_ids = token_ids
         b.depth = depth
         b.hits = 0
+        b.reuse_key = NO_KEY
 
-    def drop_hash(self, b: Block) -> None:
+    def drop_hash(self, b: Block, evicted: bool = True) -> None:
         """Forget a block's hash (its content is gone or about to change); a free cached block
-        moves to the unhashed queue so it is reused first."""
+        moves to the unhashed queue so it is reused first. ``evicted=False``: the content is being
+        overwritten or discarded, not evicted (the tiers below must not save it)."""
         if b.block_hash is None:
             return
         if self.on_evict is not None:
-            self.on_evict(b)
+            self.on_evict(b, evicted)
         queued = b.ref_count == 0 and b.prev is not None
         if queued:
             self.cached.remove(b)
@@ -198,3 +222,5 @@ class BlockPool:
                 raise AssertionError(f"block {b.block_id} has ref_count 0 but is in no free queue")
             if b.ref_count > 0 and (b.prev is not None or b.next is not None):
                 raise AssertionError(f"in-use block {b.block_id} is linked")
+        if isinstance(self.eviction, ReuseEviction):
+            self.eviction.check(self.cached, self.blocks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,20 @@ from pagedllm.kv.kv_quant import raw
 from pagedllm.kv.tier_policy import LRUPolicy, ReusePolicy
 
 BlockData = dict[str, torch.Tensor]
+
+
+@dataclass
+class Spill:
+    """Blocks leaving L2 (evicted to make room) or never let in (refused by the policy, or more than it
+    holds): the ones a disk tier below saves (write-back). ``data`` in the batched layout, ``None`` if empty."""
+
+    hashes: list[int]
+    tokens: list[tuple[int, ...]]
+    depths: list[int]
+    data: BlockData | None
+
+    def __len__(self) -> int:
+        return len(self.hashes)
 
 
 class HostTier:
@@ -37,6 +52,7 @@ class HostTier:
         self.policy = policy
         self._slot: dict[int, int] = {}  # hash -> slot
         self._tokens: dict[int, tuple[int, ...]] = {}  # hash -> token ids, verified on every hit
+        self._depth: dict[int, int] = {}  # hash -> position in its prefix chain (kept for the disk below)
         self._free = list(range(num_slots - 1, -1, -1))
         self._lock = threading.RLock()
 
@@ -48,11 +64,12 @@ class HostTier:
             return self._tokens.get(block_hash) == token_ids
 
     def put(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], depths: Sequence[int],
-            hits: Sequence[int], data: BlockData) -> list[int]:
+            hits: Sequence[int], data: BlockData) -> Spill:
         """Store blocks ``data[..., i]`` under ``hashes[i]`` (ones already here are only touched);
-        returns the hashes evicted to make room."""
+        returns what was evicted to make room and what was not let in."""
         with self._lock:
-            new = [i for i, h in enumerate(hashes) if h not in self._slot][: self.num_slots]
+            offered = [i for i, h in enumerate(hashes) if h not in self._slot]
+            new = offered[: self.num_slots]
             for i, h in enumerate(hashes):
                 if h in self._slot:
                     self.policy.touch(h, depths[i], hits[i])
@@ -67,6 +84,7 @@ class HostTier:
                         break
                     evicted.append(v)
                 new = new[:keep + len(evicted)]
+            spill = self._spill(evicted, [i for i in offered if i not in set(new)], hashes, tokens, depths, data)
             for h in evicted:
                 self.remove(h)
             slots = [self._free.pop() for _ in new]
@@ -81,21 +99,53 @@ class HostTier:
             for i, s in zip(new, slots):
                 self._slot[hashes[i]] = s
                 self._tokens[hashes[i]] = tokens[i]
+                self._depth[hashes[i]] = depths[i]
                 self.policy.touch(hashes[i], depths[i], hits[i])
-            return evicted
+            return spill
+
+    def _spill(self, evicted: list[int], refused: list[int], hashes: Sequence[int],
+               tokens: Sequence[tuple[int, ...]], depths: Sequence[int], data: BlockData) -> Spill:
+        """The evicted entries (read before their slots are reused) and the refused newcomers, as one batch."""
+        if not evicted and not refused:
+            return Spill([], [], [], None)
+        own = self._read([self._slot[h] for h in evicted])
+        ref = torch.tensor(refused, dtype=torch.int64)
+        kv = torch.cat([raw(own["kv"]), raw(data["kv"]).index_select(3, ref)], dim=3).view(self.dtype)
+        out = {"kv": kv}
+        if "scales" in own:
+            sc = data["scales"]
+            out["scales"] = (torch.cat([own["scales"], sc.index_select(3, ref)], dim=3)
+                             if self.block_scales is not None else own["scales"])
+        elif "scales" in data:
+            out["scales"] = data["scales"]
+        return Spill([*evicted, *(hashes[i] for i in refused)],
+                     [*(self._tokens[h] for h in evicted), *(tokens[i] for i in refused)],
+                     [*(self._depth[h] for h in evicted), *(depths[i] for i in refused)], out)
+
+    def _read(self, slots: list[int]) -> BlockData:
+        idx = torch.tensor(slots, dtype=torch.int64)
+        out = {"kv": raw(self.data).index_select(3, idx).view(self.dtype)}
+        if self.block_scales is not None:
+            out["scales"] = self.block_scales.index_select(3, idx)
+        elif self.head_scales is not None:
+            out["scales"] = self.head_scales.clone()
+        return out
+
+    def entries(self) -> Spill:
+        """Every block held, as one batch (to save them to disk at shutdown)."""
+        with self._lock:
+            hs = list(self._slot)
+            if not hs:
+                return Spill([], [], [], None)
+            return Spill(hs, [self._tokens[h] for h in hs], [self._depth[h] for h in hs],
+                         self._read([self._slot[h] for h in hs]))
 
     def get(self, hashes: Sequence[int]) -> BlockData:
         """The blocks under ``hashes`` (all present), as a new batch; counts as a hit on each."""
         with self._lock:
-            idx = torch.tensor([self._slot[h] for h in hashes], dtype=torch.int64)
             for h in hashes:
                 self.policy.touch(h)
-            out = {"kv": raw(self.data).index_select(3, idx).view(self.dtype)}
-            if self.block_scales is not None:
-                out["scales"] = self.block_scales.index_select(3, idx)
-            elif self.head_scales is not None:
-                out["scales"] = self.head_scales.clone()
-            return out
+            return self._read([self._slot[h] for h in hashes])
 
     def remove(self, block_hash: int) -> None:
         with self._lock:
@@ -103,6 +153,7 @@ class HostTier:
             if slot is None:
                 return
             del self._tokens[block_hash]
+            del self._depth[block_hash]
             self.policy.remove(block_hash)
             self._free.append(slot)
 
@@ -123,5 +174,5 @@ class HostTier:
                 raise AssertionError("host tier: two hashes share a slot")
             if sorted(used + self._free) != list(range(self.num_slots)):
                 raise AssertionError(f"host tier: free {len(self._free)} + used {len(used)} != total {self.num_slots}")
-            if self.policy.keys() != set(self._slot) or set(self._tokens) != set(self._slot):
+            if self.policy.keys() != set(self._slot) or not set(self._tokens) == set(self._slot) == set(self._depth):
                 raise AssertionError("host tier: eviction policy / token index disagree with the slot index")

@@ -67,10 +67,12 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        eviction: str = "lru",
     ) -> None:
+        """``eviction``: which cached-free block an allocation takes, ``lru`` or ``reuse`` (kv/block_eviction.py)."""
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, eviction)
         self.prefix_cache = PrefixCache(self.pool)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -195,11 +197,11 @@ class KVCacheManager:
         st.num_registered = n_full
 
     def import_blocks(self, hashes: Sequence[int], token_ids: Sequence[int],
-                      cache_salt: str | None = None) -> list[tuple[int, int]]:
+                      cache_salt: str | None = None, lora_id: int = 0) -> list[tuple[int, int]]:
         """Index full blocks computed by another engine (a peer replica, a prefill replica) in the
         prefix cache, so a later request's ``match_prefix`` hits them. ``hashes`` are their chain
         hashes, ``token_ids`` their tokens (``len(hashes) * block_size``); the hashes must be the
-        ones this engine makes (same hash key, block size and salt), else ValueError.
+        ones this engine makes (same hash key, block size, salt and LoRA adapter), else ValueError.
 
         Blocks already cached here are kept; each missing one gets a free block (LRU eviction as
         for any allocation, never a block in use). Returns ``(position in hashes, block id)`` for
@@ -210,10 +212,10 @@ class KVCacheManager:
         bs = self.block_size
         if len(token_ids) != len(hashes) * bs:
             raise ValueError(f"token_ids: expected {len(hashes) * bs} ids for {len(hashes)} blocks, got {len(token_ids)}")
-        extra = extra_keys_for(cache_salt)
+        extra = extra_keys_for(cache_salt, lora_id)
         if hash_block_chain(None, token_ids, bs, extra, self.prefix_cache.key) != list(hashes):
             raise ValueError("hashes: not this engine's chain hashes of token_ids "
-                             "(engines sharing KV need the same hash key, block size and cache salt)")
+                             "(engines sharing KV need the same hash key, block size, cache salt and adapter)")
         return self._index_blocks(hashes, token_ids, extra)
 
     def _index_blocks(self, hashes: Sequence[int], token_ids: Sequence[int], extra: tuple,
@@ -336,11 +338,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block without demoting it, and empty the host tier (the disk tier
         is kept: it is the persistent one). Returns how many pool blocks were dropped."""
-        on_drop, self.prefix_cache.on_drop = self.prefix_cache.on_drop, None
-        try:
-            n = self.prefix_cache.evict(self.pool.num_cached_free)
-        finally:
-            self.prefix_cache.on_drop = on_drop
+        n = self.prefix_cache.evict(self.pool.num_cached_free, demote=False)
         if self.tiers is not None and self.tiers.host is not None:
             self.tiers.host.clear()
         return n

@@ -110,8 +110,8 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def _forget(self, b: Block) -> None:
-        if self.on_drop is not None:
+    def _forget(self, b: Block, evicted: bool) -> None:
+        if evicted and self.on_drop is not None:
             self.on_drop(b)
         if b.block_hash is not None and self._index.get(b.block_hash) == b.block_id:
             del self._index[b.block_hash]
@@ -167,20 +167,15 @@ class PrefixCache:
     def remove(self, block_id: int) -> None:
         """Unregister a block whose content is about to be overwritten (or was never written): not an
         eviction, so ``on_drop`` does not see it."""
-        on_drop, self.on_drop = self.on_drop, None
-        try:
-            self.pool.drop_hash(self.pool.blocks[block_id])
-        finally:
-            self.on_drop = on_drop
+        self.pool.drop_hash(self.pool.blocks[block_id], evicted=False)
 
-    def evict(self, num_blocks: int) -> int:
-        """Forget the hashes of up to ``num_blocks`` least recently freed cached blocks; returns
-        how many were evicted. (Allocation also evicts lazily; this frees index memory early.)"""
+    def evict(self, num_blocks: int, demote: bool = True) -> int:
+        """Forget the hashes of up to ``num_blocks`` cached-free blocks in the pool's eviction order; returns
+        how many were evicted (``demote=False``: ``on_drop`` does not see them, they are discarded). Allocation
+        also evicts lazily; this frees index memory early."""
         n = 0
         while n < num_blocks and self.pool.cached.size:
-            head = self.pool.cached.head.next
-            assert head is not None
-            self.pool.drop_hash(head)
+            self.pool.drop_hash(self.pool.victim(), demote)
             n += 1
         return n
 

@@ -55,13 +55,13 @@ def build_tiers(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache | None) -
         slots = args.kv_offload_memory // per_block
         if slots < 1:
             raise ValueError(f"kv_offload_memory: {args.kv_offload_memory} bytes hold no block of {per_block} bytes")
-        host = HostTier(slots, block_shape, kv_cache.dtype, make_policy(args.kv_eviction),
+        host = HostTier(slots, block_shape, kv_cache.dtype, make_policy(args.kv_eviction, slots),
                         pin_memory=device.type == "cuda" and torch.cuda.is_available())
     disk, key = None, None
     if args.kv_disk_path:
         if args.kv_disk_size <= 0:
             raise ValueError(f"kv_disk_size: must be > 0 bytes, got {args.kv_disk_size}")
         disk = DiskTier(args.kv_disk_path, args.kv_disk_size, model_fingerprint(args, spec, kv_cache),
-                        make_policy(args.kv_eviction))
+                        make_policy(args.kv_eviction, args.kv_disk_size // per_block))
         key = None if os.environ.get(HASH_KEY_ENV) else directory_hash_key(args.kv_disk_path)
     return TierStore(block_shape, kv_cache.dtype, per_block, host, disk, device), key

@@ -26,6 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from pagedllm.config.args import EngineArgs
 from pagedllm.frontend.core_client import OnError, OnOutputs
 from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.protocol.lora_request import lora_id_of
 from pagedllm.scaleout import disagg
 from pagedllm.scaleout.config import HASH_KEY_ENV, ScaleOutConfig
 from pagedllm.scaleout.replica import Replica
@@ -97,7 +98,7 @@ class ReplicaSetClient:
                 self._inflight[req.request_id] = [d]
                 kv = None
                 if route.fetch_from is not None:
-                    kv = self.replicas[route.fetch_from].export_prefix.remote(ids, salt)
+                    kv = self.replicas[route.fetch_from].export_prefix.remote(ids, salt, lora_id_of(req.lora_request))
                 ref = self.replicas[d].add.remote(req, kv)
         out: Future = Future()
 

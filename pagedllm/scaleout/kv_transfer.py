@@ -27,6 +27,7 @@ class KVBlocks:
     data: dict[str, torch.Tensor]  # KVCache.export_blocks: "kv" [L, 2, Hkv, n, bs, D] (+ "scales")
     export_s: float  # time the exporting core spent (lookup + copy to CPU)
     sent_at: float  # wall clock (time.time) when the payload left, to time its transit
+    lora_id: int = 0  # the LoRA adapter the K/V was computed with (0: the base model), part of the hashes
 
     @property
     def num_bytes(self) -> int:
@@ -53,16 +54,18 @@ class TransferStats:
         return {f"kv_transfer_{f.name}": getattr(self, f.name) for f in fields(self)}
 
 
-def export_prefix(core: EngineCore, token_ids: list[int], cache_salt: str | None = None) -> KVBlocks | None:
-    """The prompt's cached full blocks on ``core`` (None: none cached). Run between steps."""
+def export_prefix(core: EngineCore, token_ids: list[int], cache_salt: str | None = None,
+                  lora_id: int = 0) -> KVBlocks | None:
+    """The prompt's cached full blocks on ``core`` (None: none cached), looked up in its pool and, with KV
+    tiers, in its host RAM (L2) and disk (L3) tiers, whose blocks are promoted first. Run between steps."""
     t0 = time.perf_counter()
-    core.kv.prefetch(token_ids, cache_salt, wait=True)  # what this replica's KV tiers hold comes in first
-    m = core.kv.match_prefix(token_ids, cache_salt, record=False)
+    core.kv.prefetch(token_ids, cache_salt, wait=True, lora_id=lora_id)
+    m = core.kv.match_prefix(token_ids, cache_salt, record=False, lora_id=lora_id)
     if not m.blocks:
         return None
     data = core.export_kv_blocks(m.blocks)
     return KVBlocks(list(m.hashes), list(token_ids[:m.num_tokens]), cache_salt, data,
-                    time.perf_counter() - t0, time.time())
+                    time.perf_counter() - t0, time.time(), lora_id)
 
 
 def import_prefix(core: EngineCore, blocks: KVBlocks, received_at: float | None = None) -> TransferStats:
@@ -71,7 +74,7 @@ def import_prefix(core: EngineCore, blocks: KVBlocks, received_at: float | None 
     t0, now = time.perf_counter(), time.time()
     received = now if received_at is None else received_at
     transit, queued = max(received - blocks.sent_at, 0.0), max(now - received, 0.0)
-    writes = core.kv.import_blocks(blocks.hashes, blocks.token_ids, blocks.cache_salt)
+    writes = core.kv.import_blocks(blocks.hashes, blocks.token_ids, blocks.cache_salt, blocks.lora_id)
     if writes:
         positions = [i for i, _ in writes]
         data = blocks.data

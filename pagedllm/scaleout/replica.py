@@ -22,6 +22,7 @@ from pagedllm.config.args import EngineArgs
 from pagedllm.core.engine_core import EngineCore
 from pagedllm.frontend.core_client import ThreadCoreClient
 from pagedllm.protocol.core_io import EngineCoreOutput, EngineCoreRequest
+from pagedllm.protocol.lora_request import lora_id_of
 from pagedllm.scaleout.kv_transfer import KVBlocks, TransferStats, export_prefix, import_prefix
 from pagedllm.worker.worker import KVCacheSpec
 
@@ -110,10 +111,10 @@ class Replica:
             return None
         if out.error is not None:
             raise RuntimeError(f"prefill on replica {self.index} failed: {out.error}")
-        return self.export_prefix(req.prompt_token_ids, req.cache_salt)
+        return self.export_prefix(req.prompt_token_ids, req.cache_salt, lora_id_of(req.lora_request))
 
-    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> KVBlocks | None:
-        return self.client.call(lambda core: export_prefix(core, token_ids, cache_salt)).result()
+    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None, lora_id: int = 0) -> KVBlocks | None:
+        return self.client.call(lambda core: export_prefix(core, token_ids, cache_salt, lora_id)).result()
 
     def abort(self, request_id: str) -> None:
         with self._cv:

@@ -110,11 +110,13 @@ def test_full_disk_stops_demotion_with_a_warning(tmp_path, monkeypatch, caplog):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk_tier.os, "replace", no_space)
-    m, kv, store = make_tiers(num_blocks=8, host_slots=16, disk_path=str(tmp_path))
+    m, kv, store = make_tiers(num_blocks=8, host_slots=3, disk_path=str(tmp_path))
+    fill(m, kv, 1, prompt(7, 3))
+    evict_all(m)  # L2 holds these three blocks
     tokens = prompt(8, 3)
     data = fill(m, kv, 1, tokens)
     with caplog.at_level(logging.WARNING, logger="pagedllm.kv.disk_tier"):
-        evict_all(m)
+        evict_all(m)  # ... which leave L2 for the disk (write-back) and find it full
         store.flush()
     assert store.disk.full and "is full" in caplog.text
     assert _files(tmp_path) == [] and not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]

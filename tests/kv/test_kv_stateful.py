@@ -19,9 +19,11 @@ SALTS = [None, None, "tenant-b"]
 
 
 class KVMachine(RuleBasedStateMachine):
+    eviction = "lru"
+
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(NUM_BLOCKS, BS, num_host_blocks=NUM_HOST)
+        self.m = KVCacheManager(NUM_BLOCKS, BS, num_host_blocks=NUM_HOST, eviction=self.eviction)
         self.dev: list[int | None] = [None] * (NUM_BLOCKS * BS)
         self.host: list[int | None] = [None] * (NUM_HOST * BS)
         self.tokens: dict[int, list[int]] = {}  # computed tokens per live sequence
@@ -187,3 +189,13 @@ KVMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
 TestKVStateful = KVMachine.TestCase
+
+
+class ReuseEvictionKVMachine(KVMachine):
+    """The same machine with the pool evicting by predicted reuse (its heap checked with the invariants)."""
+
+    eviction = "reuse"
+
+
+ReuseEvictionKVMachine.TestCase.settings = KVMachine.TestCase.settings
+TestKVStatefulReuseEviction = ReuseEvictionKVMachine.TestCase

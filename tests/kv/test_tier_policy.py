@@ -59,10 +59,12 @@ def test_reuse_admission_keeps_a_one_off_block_out():
     tier = HostTier(2, shape, torch.float32, ReusePolicy())
     data = {"kv": torch.arange(16, dtype=torch.float32).view(1, 2, 1, 2, 2, 2)}
     tier.put([1, 2], [(1,), (2,)], [3, 3], [9, 9], data)  # two popular blocks fill the tier
-    assert tier.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]}) == []  # a one-off stays out
+    spill = tier.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]})
+    assert spill.hashes == [3] and torch.equal(spill.data["kv"], data["kv"][:, :, :, :1])  # a one-off stays out
     assert not tier.contains(3, (3,)) and tier.contains(1, (1,))
     lru = HostTier(2, shape, torch.float32, LRUPolicy())
     lru.put([1, 2], [(1,), (2,)], [3, 3], [9, 9], data)
-    assert lru.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]}) == [1]  # LRU always admits
+    spill = lru.put([3], [(3,)], [3], [1], {"kv": data["kv"][:, :, :, :1]})  # LRU always admits ...
+    assert spill.hashes == [1] and torch.equal(spill.data["kv"], data["kv"][:, :, :, :1])  # ... and block 1 goes down
     tier.check_integrity()
     lru.check_integrity()

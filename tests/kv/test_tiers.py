@@ -169,6 +169,28 @@ def test_close_saves_cached_blocks_once_and_twice_is_harmless(tmp_path):
     m.check_integrity()
 
 
+def test_disk_is_written_back_from_l2_only_what_leaves_it(tmp_path):
+    """Write-back: blocks L2 keeps are not written while the engine runs; L2's victims are, and close() saves
+    the rest, so a restart finds every block with its K/V."""
+    m, kv, store = make_tiers(num_blocks=8, host_slots=3, disk_path=str(tmp_path))
+    first, second = prompt(23, 3), prompt(24, 3)
+    want = fill(m, kv, 1, first)
+    evict_all(m)
+    assert store.stats.demoted_blocks["host"] == 3 and store.stats.demoted_blocks["disk"] == 0
+    want2 = fill(m, kv, 2, second)
+    evict_all(m)  # L2 (3 slots, LRU) gives up the first prompt's blocks: they go to disk
+    assert store.stats.demoted_blocks["disk"] == 3 and len(store.disk) == 3
+    m.check_integrity()
+    m.close()  # the second prompt's blocks, still in L2, are saved now
+    assert store.stats.demoted_blocks["disk"] == 6
+    m2, kv2, _ = make_tiers(num_blocks=8, disk_path=str(tmp_path))
+    for tokens, data in ((first, want), (second, want2)):
+        m2.prefetch(tokens, wait=True)
+        n, got = pool_kv(m2, kv2, tokens)
+        assert n == 3 and torch.equal(got, data)
+    m2.check_integrity()
+
+
 def test_tiers_need_the_worker_in_the_core_process():
     from pagedllm.config.args import EngineArgs
     from pagedllm.kv.tier_setup import build_tiers

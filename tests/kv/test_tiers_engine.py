@@ -15,10 +15,10 @@ PROMPTS = [[1000 + (i * 37 + j * 11) % 20000 for i in range(130)] for j in range
 def _run(model, **tiers):
     llm = LLM(model, dtype="float32", num_blocks=24, check_integrity=True, **tiers)
     outs = [llm.generate([p], SP, use_tqdm=False)[0] for _ in range(2) for p in PROMPTS]
-    stats = llm.engine.kv.stats()
     llm.engine.kv.check_integrity()
-    assert stats["used"] == 0
-    llm.engine.shutdown()
+    assert llm.engine.kv.stats()["used"] == 0
+    llm.engine.shutdown()  # L2 + L3: what L2 holds is written to disk now (write-back)
+    stats = llm.engine.kv.stats()
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs], stats
 
 
