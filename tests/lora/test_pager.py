@@ -4,6 +4,7 @@ are evicted least recently used, busy ones never, and the pool's invariants coun
 from __future__ import annotations
 
 import threading
+from concurrent.futures import wait
 
 import pytest
 import torch
@@ -42,7 +43,9 @@ def until_ready(pager: AdapterPager, lr: LoRARequest, busy: set[int]) -> bool:
     for _ in range(3):  # the first call starts the read; later ones place it once read
         if pager.ready(lr, busy):
             return True
-        pager.wait_for_load()
+        read = pager.loading.get(lr.lora_int_id)  # this adapter's read (another one may finish first)
+        if read is not None:
+            wait([read], timeout=30)
     return False
 
 
