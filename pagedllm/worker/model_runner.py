@@ -12,7 +12,13 @@ import torch
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.models.forward_pass import ForwardPass
-from pagedllm.protocol.step_io import DeferredOutput, Logprobs, ModelRunnerOutput, SchedulerOutput, SeqOutput
+from pagedllm.protocol.step_io import (
+    DeferredOutput,
+    Logprobs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SeqOutput,
+)
 from pagedllm.structured.state import apply_bitmask
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.host_copy import HostCopy, to_host
@@ -99,7 +105,9 @@ class ModelRunner:
                 src.append(k)
         if dst:
             dev = inp.input_ids.device
-            inp.input_ids[torch.tensor(dst, device=dev)] = prev_ids[torch.tensor(src, device=dev)]
+            # non-blocking uploads: a blocking one would wait for the whole queue, the step in flight included
+            dst_t, src_t = (torch.tensor(i, dtype=torch.int64).to(dev, non_blocking=True) for i in (dst, src))
+            inp.input_ids[dst_t] = prev_ids[src_t]
 
     def _lora_manager(self) -> LoRAManager:
         if self.lora is None:
@@ -118,10 +126,10 @@ class ModelRunner:
         batch = self.batch
         ordered = [rows[i] for i in inp.order]
         row_t = torch.tensor(ordered, dtype=torch.int64)
-        dev = inp.input_ids.device
         positions = batch.num_tokens[row_t].clone()  # where each row's sampled id goes
+        # host tensors: the graph's buffers take them by non-blocking copies (no wait for the step in flight)
         tokens, lps = self.graphs.forward_sample(inp.input_ids, inp.meta, [batch.params[r].temperature for r in ordered],
-                                                 batch.noise_key[row_t].to(dev), positions.to(dev))
+                                                 batch.noise_key[row_t], positions)
         copy = HostCopy(tokens, lps)
 
         def settle() -> ModelRunnerOutput:
@@ -221,7 +229,7 @@ class ModelRunner:
             keys.append(int(batch.noise_key[row]) if j == 0 else noise_key(p.seed, j))
         try:
             self._sample_rows(logits, sample_rows, sample_keys, params, keys, brows, rows, outs)
-        except Exception:  # noqa: BLE001 - find the sequence(s) it belongs to; the others still get tokens
+        except Exception:
             log.exception("batched sampling failed; sampling sequence by sequence")
             for i in dict.fromkeys(i for i, _ in sample_keys):
                 sel = [r for r, (ii, _) in enumerate(sample_keys) if ii == i]

@@ -6,11 +6,13 @@ buffers), and ``HostCopy`` on the CPU clones at launch, as the device's queued c
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker import cuda_graphs, model_runner
+from pagedllm.worker.device_check import _target_of_to
 from pagedllm.worker.host_copy import HostCopy
-
 from tests.worker.test_cuda_graphs import RerunCapture
 
 
@@ -94,3 +96,39 @@ def test_rows_that_change_under_a_deferred_step_get_its_ids_first(tiny_model_dir
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert llm.engine.kv.stats()["used"] == 0
     assert llm.engine.stats.num_preemptions or sync.engine.stats.num_preemptions
+
+
+class BlockingUploadCheck(TorchFunctionMode):
+    """Fails any upload that would make the host wait for the device queue (``Tensor.to(device)`` without
+    ``non_blocking=True``, ``torch.tensor(data, device=...)``): inside a deferred step such a copy waits for the
+    step in flight and undoes the overlap. On a CPU these calls are no-ops, so the check is of the call alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and _target_of_to(args, kwargs) is not None and not kwargs.get("non_blocking"):
+            raise AssertionError(f"blocking Tensor.to({_target_of_to(args, kwargs)}) inside a deferred step")
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            raise AssertionError(f"torch.{func.__name__}(..., device=) uploads blocking inside a deferred step")
+        if func is torch.Tensor.cuda:
+            raise AssertionError("Tensor.cuda() uploads blocking inside a deferred step")
+        return func(*args, **kwargs)
+
+
+def test_the_deferred_path_uploads_without_waiting(tiny_model_dir, graphs_on, monkeypatch):
+    """The graph step and the hand-over of the last step's ids make no upload that waits for the device queue;
+    the check itself fires on a blocking one."""
+    checked = []
+    for name in ("_graph_step", "_take_pending"):
+        original = getattr(model_runner.ModelRunner, name)
+
+        def under_check(self, *a, _original=original, _name=name, **kw):
+            checked.append(_name)
+            with BlockingUploadCheck():
+                return _original(self, *a, **kw)
+
+        monkeypatch.setattr(model_runner.ModelRunner, name, under_check)
+    llm = LLM(tiny_model_dir, async_scheduling=True, **KW)
+    _run(llm)  # a blocking upload fails its requests (the step's error reaches generate)
+    assert {"_graph_step", "_take_pending"} <= set(checked)
+    with pytest.raises(AssertionError, match="blocking"), BlockingUploadCheck():
+        torch.zeros(2).to("cpu")
