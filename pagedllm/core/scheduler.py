@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.sequence import Request, Sequence, SequenceStatus
 from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.lora.adapter import LoRALoadError
 
 log = logging.getLogger("pagedllm.scheduler")
 
@@ -328,7 +329,7 @@ class Scheduler:
             return False
         try:
             return self.adapters is None or self.adapters.ready(req.lora_request, held)  # read and in its pages
-        except ValueError as e:  # LoRALoadError: this request fails with the reason, the others go on
+        except LoRALoadError as e:  # this request fails with the reason, the others go on
             self.failed.append((req, str(e)))
             return False
 
