@@ -74,8 +74,8 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv.prefix_cache.on_event = self.kv_events.record
         if args.kv_offload_memory or args.kv_disk_path:  # issue 31: tiers below the pool
-            kv_cache = getattr(getattr(self.executor, "worker", None), "kv_cache", None)
-            self.kv.attach_tiers(*build_tiers(args, spec, kv_cache), kv_cache)
+            blocks = self.executor.tier_blocks()  # the pool, or each rank's shard of it through the executor
+            self.kv.attach_tiers(*build_tiers(args, spec, blocks), blocks)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,

@@ -24,6 +24,11 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Release the worker(s); idempotent."""
 
+    def tier_blocks(self):
+        """The pool's blocks as the KV tiers copy them (``kv.pool_blocks.PoolBlocks``), or None where this
+        executor cannot copy them for the tiers (issue 31)."""
+        return None
+
 
 def build_in_child(conn, factory: Callable[[], Any]) -> Any | None:
     """In a child process: build its object and tell the parent ("ready", obj.spec), or ("failed",

@@ -17,6 +17,7 @@ from pagedllm.config.args import EngineArgs
 from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput, decode, encode
 from pagedllm.protocol.errors import WorkerError
 from pagedllm.executor.base import Executor, build_in_child
+from pagedllm.worker.tier_copy import BlockCopy
 
 log = logging.getLogger("pagedllm.executor")
 
@@ -34,7 +35,13 @@ def serve_steps(worker, conn: Connection) -> None:
         if not data:  # shutdown
             return
         try:
-            conn.send_bytes(encode(worker.execute(decode(data))))
+            msg = pickle.loads(data)
+            if isinstance(msg, BlockCopy):  # issue 31: a KV tier's copy between steps
+                conn.send_bytes(pickle.dumps(("ok", msg.apply(worker.kv_cache)), protocol=pickle.HIGHEST_PROTOCOL))
+            elif isinstance(msg, SchedulerOutput):
+                conn.send_bytes(encode(worker.execute(msg)))
+            else:
+                raise TypeError(f"not a step message: {type(msg).__name__}")
         except BaseException:  # noqa: BLE001 - reported to the core, which raises it
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
 
@@ -65,6 +72,25 @@ def step_result(data: bytes) -> ModelRunnerOutput:
         raise WorkerError(f"the worker failed a step:\n{tb}") from None
 
 
+def copy_result(data: bytes):
+    """A worker's answer to a ``BlockCopy``: its value, or WorkerError with the traceback it sent."""
+    kind, value = pickle.loads(data)
+    if kind != "ok":
+        raise WorkerError(f"the worker failed a KV tier block copy:\n{value}")
+    return value
+
+
+def ask_all(procs: list[mp.Process], conns: list[Connection], payloads: list[bytes]) -> list[bytes]:
+    """Send each process its payload, then wait for every answer (WorkerError if one dies)."""
+    for p, c, data in zip(procs, conns, payloads):
+        try:
+            c.send_bytes(data)
+        except OSError as e:
+            p.join(timeout=1)
+            raise WorkerError(f"the worker process {p.name} died (exit code {p.exitcode})") from e
+    return [wait_for(p, c, c.recv_bytes) for p, c in zip(procs, conns)]
+
+
 def _worker_main(args: EngineArgs, conn: Connection) -> None:
     from pagedllm.worker.worker import Worker
 
@@ -87,12 +113,15 @@ class MultiprocExecutor(Executor):
         self.spec = payload
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            self._conn.send_bytes(encode(so))
-        except OSError as e:
-            self._proc.join(timeout=1)
-            raise WorkerError(f"the worker process died (exit code {self._proc.exitcode})") from e
-        return step_result(wait_for(self._proc, self._conn, self._conn.recv_bytes))
+        return step_result(ask_all([self._proc], [self._conn], [encode(so)])[0])
+
+    def copy_blocks(self, msgs: list[BlockCopy]) -> list:
+        return [copy_result(d) for d in ask_all([self._proc], [self._conn], [pickle.dumps(m) for m in msgs])]
+
+    def tier_blocks(self):
+        from pagedllm.executor.tier_copies import RankBlocks
+
+        return RankBlocks(self, 1)
 
     @property
     def pid(self) -> int | None:

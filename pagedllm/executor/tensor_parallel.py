@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 
 from pagedllm.config.args import EngineArgs
 from pagedllm.protocol.step_io import ModelRunnerOutput, SchedulerOutput, encode
 from pagedllm.executor.base import Executor, build_in_child
 from pagedllm.protocol.errors import WorkerError
-from pagedllm.executor.multiproc import serve_steps, step_result, wait_for
+from pagedllm.executor.multiproc import ask_all, copy_result, serve_steps, step_result, wait_for
+from pagedllm.worker.tier_copy import BlockCopy
 
 
 def _rank_main(args: EngineArgs, rank: int, port: int, threads: int, conn) -> None:
@@ -59,13 +61,17 @@ class TensorParallelExecutor(Executor):
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         data = encode(so)
-        for p, c in zip(self._procs, self._conns):
-            try:
-                c.send_bytes(data)
-            except OSError as e:
-                raise WorkerError(f"tensor-parallel rank {p.name} died (exit code {p.exitcode})") from e
-        outs = [wait_for(p, c, c.recv_bytes) for p, c in zip(self._procs, self._conns)]
+        outs = ask_all(self._procs, self._conns, [data] * len(self._procs))
         return [step_result(o) for o in outs][0]
+
+    def copy_blocks(self, msgs: list[BlockCopy]) -> list:
+        """Rank r's answer to ``msgs[r]`` (issue 31: each rank copies its own heads of the blocks)."""
+        return [copy_result(d) for d in ask_all(self._procs, self._conns, [pickle.dumps(m) for m in msgs])]
+
+    def tier_blocks(self):
+        from pagedllm.executor.tier_copies import RankBlocks
+
+        return RankBlocks(self, len(self._procs))
 
     def shutdown(self) -> None:
         for c in self._conns:

@@ -17,3 +17,6 @@ class UniProcExecutor(Executor):
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | DeferredOutput:
         return self.worker.execute(so)
+
+    def tier_blocks(self):
+        return self.worker.kv_cache

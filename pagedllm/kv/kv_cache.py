@@ -183,6 +183,10 @@ class KVCache:
             self.scales.index_copy_(3, idx, scales.to(self.scales.device))
 
     @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
     def page_bytes(self) -> int:
         """Bytes one block holds across every layer, K and V (scales not counted): what an adapter page stores
         (issue 32: LoRA weights paged in the KV pool's memory)."""

@@ -24,9 +24,9 @@ import torch
 
 from pagedllm.kv.block_pool import Block, BlockPool
 from pagedllm.kv.block_table import BlockTable
-from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import raw
 from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, extra_keys_for, hash_block_chain
+from pagedllm.kv.pool_blocks import PoolBlocks
 from pagedllm.kv.tier_store import TierStore
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class KVCacheManager:
         self._host_deferred: list[int] = []  # host blocks released this step (copies may still use them)
         self._swapped_in_now: set[SeqId] = set()
         self.tiers: TierStore | None = None  # L2/L3 below the pool (attach_tiers)
-        self._kv_cache: KVCache | None = None
+        self._kv_cache: PoolBlocks | None = None
         self._demote: list[tuple[int, int, tuple[int, ...], int, int]] = []  # evicted: id, hash, tokens, depth, hits
         self._loads: dict[int, _Load] = {}  # disk promotions in flight, by the first block's hash
         self._pages: dict[Hashable, list[int]] = {}  # issue 32: blocks held as pages by an owner (a LoRA adapter)
@@ -245,12 +245,13 @@ class KVCacheManager:
 
     # ---- tiers below the pool (L2 host RAM, L3 disk) ---------------------------------------
 
-    def attach_tiers(self, tiers: TierStore, hash_key: bytes | None, kv_cache: KVCache) -> None:
-        """Demote the blocks the pool evicts to ``tiers`` (gathered from ``kv_cache``) and promote from
-        them on a prefix miss (``prefetch``). ``hash_key``: a stable key for a persistent disk tier."""
+    def attach_tiers(self, tiers: TierStore, hash_key: bytes | None, kv_cache: PoolBlocks) -> None:
+        """Demote the blocks the pool evicts to ``tiers`` (gathered from ``kv_cache``: the pool, or every
+        rank's shard of it) and promote from them on a prefix miss (``prefetch``). ``hash_key``: a stable
+        key for a persistent disk tier."""
         if len(self.prefix_cache) or self._seqs:
             raise RuntimeError("attach tiers before the first request")
-        if kv_cache.num_blocks != self.num_blocks or kv_cache.block_size != self.block_size:
+        if kv_cache.num_blocks < self.num_blocks or kv_cache.block_size != self.block_size:
             raise ValueError("kv_cache: its pool does not match this manager's")
         self.tiers, self._kv_cache = tiers, kv_cache
         if hash_key is not None:

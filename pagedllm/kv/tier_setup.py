@@ -11,13 +11,14 @@ from pagedllm.config.args import EngineArgs
 from pagedllm.kv.disk_tier import DiskTier, directory_hash_key
 from pagedllm.kv.host_tier import HostTier
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.pool_blocks import PoolBlocks
 from pagedllm.kv.prefix_cache import HASH_KEY_ENV
 from pagedllm.kv.tier_policy import make_policy
 from pagedllm.kv.tier_store import TierStore
 from pagedllm.protocol.kv_spec import KVCacheSpec
 
 
-def model_fingerprint(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache) -> bytes:
+def model_fingerprint(args: EngineArgs, spec: KVCacheSpec, kv_cache: PoolBlocks) -> bytes:
     """32 bytes naming what a block's K/V depends on: the weights (path, size and mtime of the files),
     quantization, dtype, KV dtype, block size, pool shape and TP layout."""
     parts = [spec.model_name, spec.quantization, spec.dtype, spec.kv_dtype, str(kv_cache.block_size),
@@ -32,23 +33,25 @@ def model_fingerprint(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache) ->
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=32).digest()
 
 
-def build_tiers(args: EngineArgs, spec: KVCacheSpec, kv_cache: KVCache | None) -> tuple[TierStore, bytes | None] | None:
+def build_tiers(args: EngineArgs, spec: KVCacheSpec,
+                kv_cache: PoolBlocks | None) -> tuple[TierStore, bytes | None] | None:
     """The tier store for ``--kv-offload-memory`` / ``--kv-disk-path`` (None when neither is set) and the
     hash key the manager must use (the disk directory's, unless ``$PAGEDLLM_HASH_KEY`` is set). ``kv_cache``:
-    the pool tensors, None when the worker is not in the core's process (then ValueError)."""
+    the pool's blocks (``Executor.tier_blocks``), None where the executor cannot copy them (then ValueError)."""
     if args.kv_offload_memory < 0:
         raise ValueError(f"kv_offload_memory: must be >= 0 bytes, got {args.kv_offload_memory}")
     if not args.kv_offload_memory and not args.kv_disk_path:
         return None
     if kv_cache is None:
-        raise ValueError("kv_offload_memory / kv_disk_path: KV tiers need the worker in the engine core's process "
-                         "(distributed_executor_backend='uni', tensor_parallel_size=1)")
+        raise ValueError("kv_offload_memory / kv_disk_path: KV tiers need an executor that copies the pool's "
+                         "blocks: distributed_executor_backend 'uni' or 'mp' (any tensor_parallel_size), "
+                         "not 'external_launcher'")
     if not args.enable_prefix_caching:
         raise ValueError("kv_offload_memory / kv_disk_path: KV tiers need enable_prefix_caching")
     per_block = KVCache.bytes_per_block(kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim,
                                         kv_cache.block_size, kv_cache.dtype)
     block_shape = (kv_cache.num_layers, 2, kv_cache.num_kv_heads, kv_cache.block_size, kv_cache.head_dim)
-    device = kv_cache.data.device
+    device = kv_cache.device
     make_policy(args.kv_eviction)  # a bad name fails before any tier is made
     host = None
     if args.kv_offload_memory:
