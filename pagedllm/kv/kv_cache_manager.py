@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +56,24 @@ class _Load:
     extra: tuple
     start: int
     t0: float
+    disk_blocks: int  # of the run, read from disk (the rest is in L2)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Promoted blocks ``start..`` of a chain (``data``: gathered layout, block ``i`` of the chain at ``i - start``)."""
+
+    hashes: list[int]
+    token_ids: Sequence[int]
+    extra: tuple
+    start: int
+    data: dict
+    t0: float
+
+
+# A disk read whose expected time is under this fraction of a step is waited for in the schedule that asks for
+# it, so its request runs in that step instead of the next (bench/README.md, tiers: promotion latency).
+INLINE_READ_FRACTION = 0.1
 
 
 class KVCacheManager:
@@ -90,6 +108,9 @@ class KVCacheManager:
         self._kv_cache: PoolBlocks | None = None
         self._demote: list[tuple[int, int, tuple[int, ...], int, int]] = []  # evicted: id, hash, tokens, depth, hits
         self._loads: dict[int, _Load] = {}  # disk promotions in flight, by the first block's hash
+        self._landing: dict[int, tuple[_Run, int]] = {}  # promoted blocks indexed, not written yet: id -> run, pos
+        self._step_s: float | None = None  # moving average of the time between two schedules' ends
+        self._step_end: float | None = None
         self._pages: dict[Hashable, list[int]] = {}  # issue 32: blocks held as pages by an owner (a LoRA adapter)
 
     # ---- pages: blocks that hold something other than KV (issue 32: LoRA adapter weights) --------
@@ -259,6 +280,8 @@ class KVCacheManager:
         self.prefix_cache.on_drop = self._on_drop
 
     def _on_drop(self, b: Block) -> None:
+        if self._landing.pop(b.block_id, None) is not None:
+            return  # a promoted block evicted before its write (a later run of the same landing): the tier keeps it
         if b.ref_count == 0 and b.block_hash is not None and b.token_ids is not None:
             self._demote.append((b.block_id, b.block_hash, b.token_ids, b.depth, b.hits))
 
@@ -276,7 +299,8 @@ class KVCacheManager:
         """Promote the prompt's blocks that L2/L3 hold past its pool hit. An L2 run lands now (one
         host-to-device copy); a run that needs the disk is read by the tier thread, and this returns
         True until it lands, so the scheduler lets other requests run meanwhile (``wait``: nothing
-        else to run, so wait for it here). Waiting beats recomputing: a block from the tiers costs a
+        else to run, so wait for it here; a read expected to take under ``INLINE_READ_FRACTION`` of a
+        step is waited for too, so the request runs in this step rather than the next). Waiting beats recomputing: a block from the tiers costs a
         copy of its bytes, recomputing it a forward over its tokens (see bench/README.md, tiers)."""
         if self.tiers is None or not self.enable_prefix_caching:
             return False
@@ -297,44 +321,72 @@ class KVCacheManager:
                 return False
             m, t0 = len(where), time.perf_counter()
             if "disk" not in where:
-                self._land(hashes[:k + m], token_ids, extra, k, self.tiers.load_host(hashes[k:k + m]), m, t0)
+                self._land([_Run(hashes[:k + m], token_ids, extra, k, self.tiers.load_host(hashes[k:k + m]), t0)])
                 return False
             load = self._loads[hashes[k]] = _Load(self.tiers.load_disk(hashes[k:k + m], tokens[:m], where),
-                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0)
-        if not wait:
+                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0,
+                                                   where.count("disk"))
+        if wait:
+            load.future.result()
+        elif not self._read_is_short(load):
             return True
-        load.future.result()
         self._land_finished()
         return False
 
+    def _read_is_short(self, load: _Load) -> bool:
+        """Whether ``load`` is done after a wait shorter than ``INLINE_READ_FRACTION`` of a step (the tier's
+        measured read time per block times its disk blocks; before the first read and step are measured, no
+        wait): then its request runs in this step."""
+        per_block = self.tiers.read_seconds_per_block if self.tiers is not None else None
+        if per_block is None or self._step_s is None:
+            return False
+        expected = per_block * load.disk_blocks
+        return expected <= INLINE_READ_FRACTION * self._step_s and bool(wait([load.future], timeout=2 * expected).done)
+
     def _land_finished(self) -> None:
+        """Land every finished read (all in one copy)."""
+        runs = []
         for key, ld in list(self._loads.items()):
             if ld.future.done():
                 del self._loads[key]
                 data, m = ld.future.result()
                 if m:
-                    self._land(ld.hashes[:ld.start + m], ld.token_ids, ld.extra, ld.start, data, m, ld.t0)
+                    runs.append(_Run(ld.hashes[:ld.start + m], ld.token_ids, ld.extra, ld.start, data, ld.t0))
+        if runs:
+            self._land(runs)
 
-    def _land(self, hashes: list[int], token_ids: Sequence[int], extra: tuple, start: int, data: dict,
-              m: int, t0: float) -> None:
-        """Write promoted blocks ``start..start+m`` of a chain into free pool blocks, cached-free."""
+    def _land(self, runs: list[_Run]) -> None:
+        """Index each promoted run in free pool blocks (cached-free), then write all of them in one copy: one
+        index copy, or one message per rank when the workers are in other processes."""
         assert self.tiers is not None and self._kv_cache is not None
-        writes = self._index_blocks(hashes, token_ids, extra, start)  # every position is >= start
-        if writes:
-            pos = [i - start for i, _ in writes]
-            idx = torch.tensor(pos, dtype=torch.int64)
-            sub = {"kv": raw(data["kv"]).index_select(3, idx).view(data["kv"].dtype)}
-            if "scales" in data:  # int8: per block; fp8: the per-head scales
-                sc = data["scales"]
-                sub["scales"] = sc.index_select(3, idx) if self._kv_cache.dtype == torch.int8 else sc
+        self._landing = {}
+        for run in runs:
+            for i, b in self._index_blocks(run.hashes, run.token_ids, run.extra, run.start):  # positions >= start
+                self._landing[b] = (run, i - run.start)
+        landing, self._landing = self._landing, {}
+        by_run: dict[int, tuple[_Run, list[int], list[int]]] = {}
+        for b, (run, pos) in landing.items():
+            entry = by_run.setdefault(id(run), (run, [], []))
+            entry[1].append(b)
+            entry[2].append(pos)
+        if by_run:
+            parts = [(run.data, torch.tensor(pos, dtype=torch.int64)) for run, _, pos in by_run.values()]
+            dtype = parts[0][0]["kv"].dtype
+            sub = {"kv": torch.cat([raw(d["kv"]).index_select(3, idx) for d, idx in parts], dim=3).view(dtype)}
+            if "scales" in parts[0][0]:  # int8: per block; fp8: the per-head scales, the same in every run
+                sub["scales"] = (torch.cat([d["scales"].index_select(3, idx) for d, idx in parts], dim=3)
+                                 if self._kv_cache.dtype == torch.int8 else parts[0][0]["scales"])
+            ids = [b for _, blocks, _ in by_run.values() for b in blocks]
             try:
-                self._kv_cache.import_blocks([b for _, b in writes], sub)
+                self._kv_cache.import_blocks(ids, sub)
             except ValueError:  # not this pool's layout: indexed but never written, so never hit
                 log.warning("KV tiers: a promoted run does not fit this pool; recomputing it", exc_info=True)
-                for _, b in writes:
+                for b in ids:
                     self.prefix_cache.remove(b)
                 return
-        self.tiers.record_promotion(time.perf_counter() - t0)
+        now = time.perf_counter()
+        for run in runs:
+            self.tiers.record_promotion(now - run.t0)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block without demoting it, and empty the host tier (the disk tier
@@ -461,6 +513,11 @@ class KVCacheManager:
         """This step's copy-on-write copies as (src, dst) device blocks; ends the step (and saves
         the blocks it evicted to the tiers, before any copy or forward can overwrite them)."""
         self._flush_demotions()
+        now = time.perf_counter()
+        if self._step_end is not None:  # an idle gap counts as a long step, at most a second
+            gap = min(now - self._step_end, 1.0)
+            self._step_s = gap if self._step_s is None else 0.8 * self._step_s + 0.2 * gap
+        self._step_end = now
         pairs = [(src, dst) for dst, src in self._pending.items()]
         self._pending.clear()
         self._pending_src.clear()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class TierStore:
         # promotions read on their own threads: a request waiting for its blocks never queues behind demotions
         self._reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tier-read")
         self._writes: list[Future] = []
+        self.read_seconds_per_block: float | None = None  # moving average over disk reads (read thread)
         self._closed = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -151,6 +153,7 @@ class TierStore:
                   host_data: BlockData | None) -> tuple[BlockData | None, int]:
         assert self.disk is not None
         blocks: list[BlockData] = []
+        t0 = time.perf_counter()
         for i, (h, t, w) in enumerate(zip(hashes, tokens, where)):
             if w == "host":
                 blocks.append(self._block_of(host_data, host_pos.index(i)))
@@ -162,6 +165,10 @@ class TierStore:
         if not blocks:
             return None, 0
         n_disk = sum(w == "disk" for w in where[:len(blocks)])
+        if n_disk:
+            per = (time.perf_counter() - t0) / n_disk
+            avg = self.read_seconds_per_block
+            self.read_seconds_per_block = per if avg is None else 0.7 * avg + 0.3 * per
         self._count("promoted", "disk", n_disk)
         self._count("promoted", "host", len(blocks) - n_disk)
         return self._stack(blocks), len(blocks)
