@@ -104,6 +104,8 @@ class EngineCore:
         self.limits.check(r.prompt_token_ids, r.params)
         if r.lora_request is not None and not self.scheduler.config.max_loras:
             raise ValueError(f"lora_request {r.lora_request.lora_name!r}: this engine was started without enable_lora")
+        if r.lora_request is not None and self.kv_events is not None:  # BlockStored names the adapter
+            self.kv_events.lora_names[r.lora_request.lora_int_id] = r.lora_request.lora_name
         req = Request(r.request_id, None, list(r.prompt_token_ids), r.params, cache_salt=r.cache_salt,
                       priority=r.priority, lora_request=r.lora_request)
         if r.arrival_time is not None:

@@ -208,13 +208,13 @@ class KVCacheManager:
         if n_full <= st.num_registered:
             return
         k = len(st.hashes)
+        extra = extra_keys_for(cache_salt, lora_id)
         if k < n_full:
             parent = st.hashes[-1] if k else None
-            st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs,
-                                          extra_keys_for(cache_salt, lora_id), self.prefix_cache.key)
+            st.hashes += hash_block_chain(parent, token_ids[k * bs : n_full * bs], bs, extra, self.prefix_cache.key)
         for i in range(st.num_registered, n_full):
             self.prefix_cache.insert(table[i], st.hashes[i], token_ids[i * bs : (i + 1) * bs], i,
-                                     st.hashes[i - 1] if i else None)
+                                     st.hashes[i - 1] if i else None, extra)
         st.num_registered = n_full
 
     def import_blocks(self, hashes: Sequence[int], token_ids: Sequence[int],
@@ -257,7 +257,8 @@ class KVCacheManager:
                 break
             b = pool.allocate()
             held.append(b)
-            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs], i, hashes[i - 1] if i else None):
+            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs], i, hashes[i - 1] if i else None,
+                                        extra):
                 writes.append((i, b))
         for b in reversed(held):  # the tail is evicted first, as in free()
             pool.free(b)

@@ -72,12 +72,25 @@ def hash_bytes(block_hash: int) -> bytes:
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV pool (its CPU build says "GPU" too; "CPU" is an offload tier)
 
 
-def block_stored(hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int) -> dict:
-    """vLLM's ``BlockStored`` as its block pool fills it for a text request: one KV cache group (0), no LoRA,
-    no extra keys per block. The keys keep its struct's field order, so the bytes are the same as its."""
+def block_stored(hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
+                 lora_id: int | None = None, lora_name: str | None = None, keys: tuple | None = None) -> dict:
+    """vLLM's ``BlockStored`` as its block pool fills it for a text request: one KV cache group (0), the
+    adapter (``lora_id`` / ``lora_name``, None for the base model) and each block's extra hash keys (``keys``,
+    the same for every block of the run; None without adapter or salt). The keys keep its struct's field
+    order, so the bytes are the same as its."""
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": token_ids,
-            "block_size": block_size, "lora_id": None, "medium": MEDIUM, "lora_name": None,
-            "extra_keys": [None] * len(hashes), "group_idx": 0}
+            "block_size": block_size, "lora_id": lora_id, "medium": MEDIUM, "lora_name": lora_name,
+            "extra_keys": [keys] * len(hashes), "group_idx": 0}
+
+
+def event_keys(extra_keys: tuple, lora_names: dict[int, str]) -> tuple[int | None, str | None, tuple | None]:
+    """``(lora_id, lora_name, keys)`` of a block stored with our hash's ``extra_keys`` (``prefix_cache.
+    extra_keys_for``): vLLM's extra keys are values in its order, the adapter's name then the ``cache_salt``."""
+    named = dict(extra_keys)
+    lora_id = named.get("lora") or None
+    lora_name = lora_names.get(lora_id) if lora_id else None
+    keys = tuple(v for v in (lora_name, named.get("cache_salt")) if v is not None)
+    return lora_id, lora_name, keys or None
 
 
 def block_removed(hashes: list[bytes]) -> dict:
@@ -116,6 +129,7 @@ class KVEventPublisher:
 
         self.cfg = cfg
         self.block_size = block_size
+        self.lora_names: dict[int, str] = {}  # adapter id -> name, for BlockStored's lora_name (the engine core fills it)
         self.seq = 0
         self._pending: list[dict] = [all_blocks_cleared()]
         self._ctx = zmq.Context()
@@ -136,20 +150,22 @@ class KVEventPublisher:
             self._replay_thread.start()
 
     def record(self, kind: str, block_hash: int, parent_hash: int | None = None,
-               token_ids: tuple[int, ...] | None = None) -> None:
-        """A hash was registered ("stored", with its parent and tokens) or forgotten ("removed"). A stored
-        block whose parent is the last stored block extends that event, as vLLM's events cover a run."""
+               token_ids: tuple[int, ...] | None = None, extra_keys: tuple = ()) -> None:
+        """A hash was registered ("stored", with its parent, tokens and the extra keys its hash covers) or
+        forgotten ("removed"). A stored block whose parent is the last stored block extends that event, as
+        vLLM's events cover a run."""
         last = self._pending[-1] if self._pending else None
         if kind == "stored":
+            lora_id, lora_name, keys = event_keys(extra_keys, self.lora_names)
             if last is not None and last["type"] == "BlockStored" and parent_hash is not None and \
-                    last["block_hashes"][-1] == hash_bytes(parent_hash):
+                    last["block_hashes"][-1] == hash_bytes(parent_hash):  # a chain's blocks share its keys
                 last["block_hashes"].append(hash_bytes(block_hash))
                 last["token_ids"].extend(token_ids)
-                last["extra_keys"].append(None)
+                last["extra_keys"].append(keys)
                 return
             self._pending.append(block_stored([hash_bytes(block_hash)],
                                               None if parent_hash is None else hash_bytes(parent_hash),
-                                              list(token_ids), self.block_size))
+                                              list(token_ids), self.block_size, lora_id, lora_name, keys))
         elif kind == "removed":
             if last is not None and last["type"] == "BlockRemoved":
                 last["block_hashes"].append(hash_bytes(block_hash))

@@ -100,7 +100,7 @@ class PrefixCache:
         self.on_drop: Callable[[Block], None] | None = None  # sees each block before its hash is forgotten
         self._index: dict[int, int] = {}
         pool.on_evict = self._forget
-        # KV events (kv/kv_events.py): ("stored", hash, parent hash, token ids) or ("removed", hash)
+        # KV events (kv/kv_events.py): ("stored", hash, parent hash, token ids, extra keys) or ("removed", hash)
         self.on_event: Callable[..., None] | None = None
         self.queries = 0
         self.hits = 0
@@ -151,17 +151,17 @@ class PrefixCache:
         return block_hash in self._index
 
     def insert(self, block_id: int, block_hash: int, token_ids: Sequence[int], depth: int = 0,
-               parent_hash: int | None = None) -> bool:
+               parent_hash: int | None = None, extra_keys: ExtraKeys = ()) -> bool:
         """Register an in-use full block (the ``depth``-th of its chain; ``parent_hash``: the chain's previous
-        block, for KV events) under ``block_hash``. False (nothing changes) when the block already has a hash
-        or another block holds this content."""
+        block, and ``extra_keys``: what else its hash covers, for KV events) under ``block_hash``. False
+        (nothing changes) when the block already has a hash or another block holds this content."""
         b = self.pool.blocks[block_id]
         if b.block_hash is not None or block_hash in self._index:
             return False
         self.pool.set_hash(block_id, block_hash, tuple(token_ids), depth)
         self._index[block_hash] = block_id
         if self.on_event is not None:
-            self.on_event("stored", block_hash, parent_hash, tuple(token_ids))
+            self.on_event("stored", block_hash, parent_hash, tuple(token_ids), extra_keys)
         return True
 
     def remove(self, block_id: int) -> None:
