@@ -111,6 +111,7 @@ class KVCacheManager:
         self._landing: dict[int, tuple[_Run, int]] = {}  # promoted blocks indexed, not written yet: id -> run, pos
         self._step_s: float | None = None  # moving average of the time between two schedules' ends
         self._step_end: float | None = None
+        self._waited_s = 0.0  # this schedule's waits for disk reads (see _read_is_short)
         self._pages: dict[Hashable, list[int]] = {}  # issue 32: blocks held as pages by an owner (a LoRA adapter)
 
     # ---- pages: blocks that hold something other than KV (issue 32: LoRA adapter weights) --------
@@ -335,14 +336,19 @@ class KVCacheManager:
         return False
 
     def _read_is_short(self, load: _Load) -> bool:
-        """Whether ``load`` is done after a wait shorter than ``INLINE_READ_FRACTION`` of a step (the tier's
-        measured read time per block times its disk blocks; before the first read and step are measured, no
-        wait): then its request runs in this step."""
+        """Whether ``load`` is done after a wait that fits what is left of this schedule's budget for waits,
+        ``INLINE_READ_FRACTION`` of a step (expected: the tier's measured read time per block times the run's
+        disk blocks; before the first read and step are measured, no wait): then its request runs in this step."""
         per_block = self.tiers.read_seconds_per_block if self.tiers is not None else None
         if per_block is None or self._step_s is None:
             return False
         expected = per_block * load.disk_blocks
-        return expected <= INLINE_READ_FRACTION * self._step_s and bool(wait([load.future], timeout=2 * expected).done)
+        if expected > INLINE_READ_FRACTION * self._step_s - self._waited_s:
+            return False
+        t0 = time.perf_counter()
+        done = bool(wait([load.future], timeout=2 * expected).done)
+        self._waited_s += time.perf_counter() - t0
+        return done
 
     def _land_finished(self) -> None:
         """Land every finished read (all in one copy)."""
@@ -519,6 +525,7 @@ class KVCacheManager:
             gap = min(now - self._step_end, 1.0)
             self._step_s = gap if self._step_s is None else 0.8 * self._step_s + 0.2 * gap
         self._step_end = now
+        self._waited_s = 0.0
         pairs = [(src, dst) for dst, src in self._pending.items()]
         self._pending.clear()
         self._pending_src.clear()

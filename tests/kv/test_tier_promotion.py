@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.kv import kv_cache_manager
-from tests.kv.tier_helpers import BS, evict_all, fill, make_tiers, pool_kv, prompt
+from tests.kv.tier_helpers import evict_all, fill, make_tiers, pool_kv, prompt
 
 
 def _count_imports(kv) -> list[list[int]]:
@@ -72,19 +71,19 @@ def test_a_run_evicted_before_its_write_is_neither_written_nor_demoted(tmp_path,
     assert n_a == 3 and torch.equal(got_a, da)
 
 
-def test_a_short_read_runs_in_the_step_that_asks(tmp_path, monkeypatch):
+def test_a_short_read_runs_in_the_step_that_asks(tmp_path):
     a, b = prompt(1, 3), prompt(2, 3)
     m, kv, store, (da, _) = _on_disk(tmp_path, 8, [a, b])
     assert m.prefetch(b, wait=True) is False  # measures a read
     assert store.read_seconds_per_block is not None
-    m._step_s = 1e6 * store.read_seconds_per_block  # a step far longer than a read: wait for it now
+    store.read_seconds_per_block = 1.0  # as if: a read may take up to 2 x 3 blocks x 1 s (a loaded machine)
+    m._step_s = 1000.0  # a step far longer than a read: wait for it now
     assert m.prefetch(a) is False
     n, got = pool_kv(m, kv, a)
     assert n == 3 and torch.equal(got, da)
     evict_all(m)
-    m._step_s = store.read_seconds_per_block  # a read as long as a step: the request waits for a later step
+    m._step_s = 1.0  # a read as long as a step: the request waits for a later step
     assert m.prefetch(a) is True
-    monkeypatch.setattr(kv_cache_manager, "INLINE_READ_FRACTION", 0.0)
     assert pool_kv(m, kv, a)[0] == 0
     m.prefetch(a, wait=True)
     assert pool_kv(m, kv, a)[0] == 3
