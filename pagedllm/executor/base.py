@@ -27,7 +27,6 @@ class Executor(ABC):
     def tier_blocks(self):
         """The pool's blocks as the KV tiers copy them (``kv.pool_blocks.PoolBlocks``), or None where this
         executor cannot copy them for the tiers (issue 31)."""
-        return None
 
 
 def build_in_child(conn, factory: Callable[[], Any]) -> Any | None:

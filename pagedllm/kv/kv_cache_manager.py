@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -111,7 +111,7 @@ class KVCacheManager:
         self._landing: dict[int, tuple[_Run, int]] = {}  # promoted blocks indexed, not written yet: id -> run, pos
         self._step_s: float | None = None  # moving average of the time between two schedules' ends
         self._step_end: float | None = None
-        self._waited_s = 0.0  # this schedule's waits for disk reads (see _read_is_short)
+        self._waited_s = 0.0  # this schedule's disk reads done in line (see _read_fits)
         self._pages: dict[Hashable, list[int]] = {}  # issue 32: blocks held as pages by an owner (a LoRA adapter)
 
     # ---- pages: blocks that hold something other than KV (issue 32: LoRA adapter weights) --------
@@ -315,7 +315,7 @@ class KVCacheManager:
             return False
         hashes = l1.hashes + hash_block_chain(l1.hashes[-1] if k else None, token_ids[k * bs:n * bs], bs, extra,
                                               self.prefix_cache.key)
-        load = self._loads.get(hashes[k])
+        load, inline = self._loads.get(hashes[k]), False
         if load is None:
             tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(k, n)]
             where = self.tiers.locate(hashes[k:], tokens)
@@ -325,30 +325,28 @@ class KVCacheManager:
             if "disk" not in where:
                 self._land([_Run(hashes[:k + m], token_ids, extra, k, self.tiers.load_host(hashes[k:k + m]), t0)])
                 return False
-            load = self._loads[hashes[k]] = _Load(self.tiers.load_disk(hashes[k:k + m], tokens[:m], where),
-                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0,
-                                                   where.count("disk"))
+            n_disk = where.count("disk")
+            inline = self._read_fits(n_disk)
+            load = self._loads[hashes[k]] = _Load(self.tiers.load_disk(hashes[k:k + m], tokens[:m], where, inline),
+                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0, n_disk)
+            if inline:
+                self._waited_s += time.perf_counter() - t0
         if wait:
             load.future.result()
-        elif not self._read_is_short(load):
+        elif not inline:  # (a read in flight from an earlier call is not done: done ones landed above)
             return True
         self._land_finished()
         return False
 
-    def _read_is_short(self, load: _Load) -> bool:
-        """Whether ``load`` is done after a wait that fits what is left of this schedule's budget for waits,
-        ``INLINE_READ_FRACTION`` of a step (expected: the tier's measured read time per block times the run's
-        disk blocks; before the first read and step are measured, no wait): then its request runs in this step."""
+    def _read_fits(self, disk_blocks: int) -> bool:
+        """Whether a read of ``disk_blocks`` fits what is left of this schedule's budget for reading in line,
+        ``INLINE_READ_FRACTION`` of a step (expected: the tier's measured read time per block; before a read
+        and a step are measured, nothing fits). A read that fits is done now, so its request runs in this step
+        rather than the next; the others go to the read threads."""
         per_block = self.tiers.read_seconds_per_block if self.tiers is not None else None
         if per_block is None or self._step_s is None:
             return False
-        expected = per_block * load.disk_blocks
-        if expected > INLINE_READ_FRACTION * self._step_s - self._waited_s:
-            return False
-        t0 = time.perf_counter()
-        done = bool(wait([load.future], timeout=2 * expected).done)
-        self._waited_s += time.perf_counter() - t0
-        return done
+        return per_block * disk_blocks <= INLINE_READ_FRACTION * self._step_s - self._waited_s
 
     def _land_finished(self) -> None:
         """Land every finished read (all in one copy)."""

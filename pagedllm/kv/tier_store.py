@@ -142,12 +142,18 @@ class TierStore:
         return self.host.get(hashes)
 
     def load_disk(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]],
-                  where: Sequence[str]) -> Future:
-        """Read a run on the copy thread (its L2 blocks are copied now): a future of ``(data, n)``, the
-        first ``n`` blocks loaded (a missing or corrupt file ends the run there)."""
+                  where: Sequence[str], now: bool = False) -> Future:
+        """Read a run on a read thread (its L2 blocks are copied now), or in the caller (``now``: a short read,
+        no thread hand-over): a future of ``(data, n)``, the first ``n`` blocks loaded (a missing or corrupt
+        file ends the run there)."""
         host = {i: h for i, (h, w) in enumerate(zip(hashes, where)) if w == "host"}
         host_data = self.host.get(list(host.values())) if host else None
-        return self._reads.submit(self._read_run, list(hashes), list(tokens), list(where), list(host), host_data)
+        run = (list(hashes), list(tokens), list(where), list(host), host_data)
+        if not now:
+            return self._reads.submit(self._read_run, *run)
+        done: Future = Future()
+        done.set_result(self._read_run(*run))
+        return done
 
     def _read_run(self, hashes: list[int], tokens: list[tuple[int, ...]], where: list[str], host_pos: list[int],
                   host_data: BlockData | None) -> tuple[BlockData | None, int]:

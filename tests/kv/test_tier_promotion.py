@@ -41,7 +41,7 @@ def _both_read(m, a, b, monkeypatch) -> None:
 
 def test_finished_reads_land_in_one_copy(tmp_path, monkeypatch):
     a, b = prompt(1, 3), prompt(2, 3)
-    m, kv, store, (da, db) = _on_disk(tmp_path, 8, [a, b])
+    m, kv, _, (da, db) = _on_disk(tmp_path, 8, [a, b])
     calls = _count_imports(kv)
     _both_read(m, a, b, monkeypatch)
     assert m.prefetch(a) is False  # lands both
@@ -76,13 +76,13 @@ def test_a_short_read_runs_in_the_step_that_asks(tmp_path):
     m, kv, store, (da, _) = _on_disk(tmp_path, 8, [a, b])
     assert m.prefetch(b, wait=True) is False  # measures a read
     assert store.read_seconds_per_block is not None
-    store.read_seconds_per_block = 1.0  # as if: a read may take up to 2 x 3 blocks x 1 s (a loaded machine)
-    m._step_s = 1000.0  # a step far longer than a read: wait for it now
+    store.read_seconds_per_block = 1e-3
+    m._step_s = 1.0  # a step far longer than a read: read it now
     assert m.prefetch(a) is False
     n, got = pool_kv(m, kv, a)
     assert n == 3 and torch.equal(got, da)
     evict_all(m)
-    m._step_s = 1.0  # a read as long as a step: the request waits for a later step
+    m._step_s = 3e-3  # a read as long as a step: the read thread reads it, the request waits for a later step
     assert m.prefetch(a) is True
     assert pool_kv(m, kv, a)[0] == 0
     m.prefetch(a, wait=True)

@@ -42,7 +42,7 @@ def test_mp_executor_tiers_token_identical(tiny_model_dir, baseline, tmp_path):
 
 
 def test_tp2_tiers_token_identical_restart_finds_disk_tp1_does_not(tiny_model_dir, baseline, tmp_path):
-    tp = dict(tensor_parallel_size=2, kv_offload_memory=128 << 10, kv_disk_path=str(tmp_path))  # L2: 16 blocks
+    tp = {"tensor_parallel_size": 2, "kv_offload_memory": 128 << 10, "kv_disk_path": str(tmp_path)}  # L2: 16 blocks
     got, cached, st = _run(tiny_model_dir, **tp)
     assert got == baseline and cached[6:] == [HIT] * 6
     assert st["host_tier_promoted_blocks"] + st["disk_tier_promoted_blocks"] == 6 * 8
