@@ -71,8 +71,8 @@ class _Run:
     t0: float
 
 
-# A disk read whose expected time is under this fraction of a step is waited for in the schedule that asks for
-# it, so its request runs in that step instead of the next (bench/README.md, tiers: promotion latency).
+# Disk reads a schedule asks for are done in line (in the scheduler's thread) while their expected times add up
+# to less than this fraction of a step: their requests run in that step instead of the next.
 INLINE_READ_FRACTION = 0.1
 
 
@@ -301,9 +301,9 @@ class KVCacheManager:
         """Promote the prompt's blocks that L2/L3 hold past its pool hit. An L2 run lands now (one
         host-to-device copy); a run that needs the disk is read by the tier thread, and this returns
         True until it lands, so the scheduler lets other requests run meanwhile (``wait``: nothing
-        else to run, so wait for it here; a read expected to take under ``INLINE_READ_FRACTION`` of a
-        step is waited for too, so the request runs in this step rather than the next). Waiting beats recomputing: a block from the tiers costs a
-        copy of its bytes, recomputing it a forward over its tokens (see bench/README.md, tiers)."""
+        else to run, so wait for it here; a short read is done in line, see ``_read_fits``). Waiting
+        beats recomputing: a block from the tiers costs a copy of its bytes, recomputing it a forward
+        over its tokens (see bench/README.md, tiers)."""
         if self.tiers is None or not self.enable_prefix_caching:
             return False
         self._land_finished()
