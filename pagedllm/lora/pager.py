@@ -135,6 +135,28 @@ class AdapterPager:
         self.resident.pop(lora_id, None)
         self.kv.free_pages(_owner(lora_id))
 
+    def unload(self, lora_id: int, busy: set[int]) -> bool:
+        """An adapter no longer served (``/v1/unload_lora_adapter``): its host copy and any read in flight are
+        dropped, and its pages freed at once if no request in ``busy`` uses it (True); else it becomes the first
+        to evict once they finish (False)."""
+        self.host.pop(lora_id, None)
+        fut = self.loading.pop(lora_id, None)
+        if fut is not None:
+            fut.cancel()
+        if lora_id not in self.resident:
+            return False
+        if lora_id in busy:
+            self.resident.move_to_end(lora_id, last=False)
+            return False
+        self.remove(lora_id)
+        return True
+
+    def forget(self, stored: list[AdapterPages]) -> None:
+        """A step carrying these adapters' weights failed, so the worker may not have written their pages: free
+        them and mark the adapters not resident (their next request sends them again from the host copy)."""
+        for ap in stored:
+            self.remove(ap.lora_id)
+
     def wait_for_load(self) -> bool:
         """Block until one adapter read in flight is done (the engine has nothing else to run); False if none is."""
         if not self.loading:
@@ -157,3 +179,8 @@ class AdapterPager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def unload_adapter(lora_id: int, core) -> bool:
+    """``core.call`` target (module level, so it crosses to a core process): free an unloaded adapter's pages."""
+    return core.scheduler.unload_lora(lora_id)
