@@ -50,16 +50,16 @@ class LoRAStep:
         """None when no token uses an adapter (the step runs the base model's path untouched). ``slot_of_token``
         is on the host (read here without a device sync); the step's tensors go to the slots' device. Segmented
         when the adapter tokens average ``min_segment`` (default ``SEGMENT_MIN_TOKENS``) per adapter (never on
-        CUDA: its kernels gather). ``gathered`` (default: where it is built) picks the C++ kernel for fp32 CPU
-        steps; False keeps the torch paths (tests compare them)."""
+        CUDA: its kernels gather). ``gathered`` (default: fp32 CPU steps) picks the C++ kernel where it is built;
+        False keeps the torch paths (tests compare them)."""
         if slot_of_token.numel() == 0 or int(slot_of_token.max()) < 0:
             return None
         k = int(slot_of_token.max()) + 1
         min_segment = SEGMENT_MIN_TOKENS if min_segment is None else min_segment
         dev = slots.layers[0]["o"].a.device
         if gathered is None:
-            gathered = dev.type == "cpu" and dtype == torch.float32 and ops.load("lora_bgmv")
-        if gathered:
+            gathered = dev.type == "cpu" and dtype == torch.float32
+        if gathered and ops.load("lora_bgmv"):
             return cls(slots, slot_of_token.contiguous(), None, k, gathered=True)
         counts = torch.bincount(slot_of_token + 1, minlength=k + 1)[1:]
         used = int((counts > 0).sum())
