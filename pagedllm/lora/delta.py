@@ -80,7 +80,8 @@ class LoRAStep:
             bgmv_add_(y, x, w, self.slot_of_token)
             return
         if self.gathered:
-            torch.ops.pagedllm.lora_bgmv.default(y, x.contiguous(), w.a, w.b, [lo for lo, _ in w.bounds], self.slot_of_token)
+            los = [lo for lo, _ in w.bounds]
+            torch.ops.pagedllm.lora_bgmv.default(y, x.contiguous(), w.a, w.b, los, self.slot_of_token)
             return
         if self.runs is not None:
             add_segmented_(y, x, w, self.order, self.runs)

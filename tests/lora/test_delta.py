@@ -1,6 +1,6 @@
 """The batched LoRA delta equals each token's own adapter applied alone (``y + scaling * B A x``), for the torch
-paths (masked and segmented), the C++ gathered kernel and the Triton BGMV kernels (in Triton's interpreter here, on CUDA where one is at
-hand)."""
+paths (masked and segmented), the C++ gathered kernel and the Triton BGMV kernels (in Triton's interpreter here, on
+CUDA where one is at hand)."""
 
 from __future__ import annotations
 
