@@ -73,6 +73,9 @@ def _cases() -> list[tuple[str, tuple, dict]]:
         ("quantize_a8", (x,), {}),
         ("pack_a8", (q8, Q8_0), {}),
         ("linear_a8_packed", (x, torch.ops.pagedllm.pack_a8(q4, Q4_1), Q4_1, 9, torch.randn(9, generator=g)), {}),
+        ("lora_bgmv", (torch.randn(3, 20, generator=g), torch.randn(3, 12, generator=g),
+                       torch.randn(2, 2, 4, 12, generator=g), [torch.randn(2, 4, 8), torch.randn(2, 4, 5)], [0, 9],
+                       torch.tensor([1, -1, 0])), {}),
     ]
     return out
 
@@ -100,9 +103,9 @@ def test_mutations_are_declared_in_the_schemas():
               for op, _, _ in CASES}
     assert writes["write_kv"] == writes["attend_qkv"] == ["k_cache", "v_cache", "k_scale", "v_scale"]
     assert writes["paged_attention_out"] == ["out"]
-    assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"]
+    assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
-                                                              "add_rms_norm", "rope"))
+                                                              "add_rms_norm", "rope", "lora_bgmv"))
 
 
 def _layer(h, delta, norm_w, qkv_w, cos, sin, k_cache, v_cache, slots, tables, seq_lens, qsl, num_heads: int,

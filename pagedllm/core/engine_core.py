@@ -276,6 +276,8 @@ class EngineCore:
             raise RuntimeError(f"engine step failed twice in a row: {type(e).__name__}: {e}") from e
         self._recovering = True
         self._released += so.finished_seq_ids  # in case the worker failed before dropping them
+        if self.scheduler.adapters is not None:  # issue 32: adapters whose pages the worker may not have written
+            self.scheduler.adapters.forget(so.lora_pages)
         log.exception("engine step failed; retrying without its new requests", exc_info=e)
         new = {n.seq_id for n in so.new_seqs}
         touched = {c.seq.request.request_id: c.seq.request for c in sched.chunks}

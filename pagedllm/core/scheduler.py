@@ -333,6 +333,10 @@ class Scheduler:
             self.failed.append((req, str(e)))
             return False
 
+    def unload_lora(self, lora_id: int) -> bool:
+        """Free an unloaded adapter's pages now if no running or swapped request uses it (issue 32)."""
+        return self.adapters is not None and self.adapters.unload(lora_id, self._lora_busy())
+
     def _lora_busy(self) -> set[int]:
         """Adapters that running or swapped requests use (their pages stay)."""
         return {r.lora_id for q in (self.running, self.swapped) for r in q if r.lora_id}

@@ -1,6 +1,8 @@
 """The batched LoRA delta of a mixed step: every token adds its own adapter's ``B A x`` (none for the base model).
 
-Two CPU paths, never a loop over tokens:
+On the CPU, fp32 activations go to the gathered C++ kernel (``ops/csrc/lora_bgmv.cpp``, Punica's BGMV): each token
+reads only its own slot, one call per fused projection. Where it can't be built (or for other dtypes), two torch
+paths, never a loop over tokens:
 
 - masked (BGMV-like, decode steps: a few tokens per adapter): one "shrink" GEMM of the tokens against the A
   matrices of the step's first ``k`` slots (all targets of a fused projection at once), a one-hot mask that
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import ops
 from pagedllm.lora.slots import GroupWeights, LoRASlots
 from pagedllm.models.layers import linear
 
@@ -39,19 +42,25 @@ class LoRAStep:
     k: int
     order: torch.Tensor | None = None
     runs: list[tuple[int, int, int]] | None = None
+    gathered: bool = False  # the C++ kernel (``slot_of_token`` stays on the host)
 
     @classmethod
     def build(cls, slots: LoRASlots, slot_of_token: torch.Tensor, dtype: torch.dtype,
-              min_segment: int | None = None) -> "LoRAStep | None":
+              min_segment: int | None = None, gathered: bool | None = None) -> "LoRAStep | None":
         """None when no token uses an adapter (the step runs the base model's path untouched). ``slot_of_token``
         is on the host (read here without a device sync); the step's tensors go to the slots' device. Segmented
         when the adapter tokens average ``min_segment`` (default ``SEGMENT_MIN_TOKENS``) per adapter (never on
-        CUDA: its kernels gather)."""
+        CUDA: its kernels gather). ``gathered`` (default: fp32 CPU steps) picks the C++ kernel where it is built;
+        False keeps the torch paths (tests compare them)."""
         if slot_of_token.numel() == 0 or int(slot_of_token.max()) < 0:
             return None
         k = int(slot_of_token.max()) + 1
         min_segment = SEGMENT_MIN_TOKENS if min_segment is None else min_segment
         dev = slots.layers[0]["o"].a.device
+        if gathered is None:
+            gathered = dev.type == "cpu" and dtype == torch.float32
+        if gathered and ops.load("lora_bgmv"):
+            return cls(slots, slot_of_token.contiguous(), None, k, gathered=True)
         counts = torch.bincount(slot_of_token + 1, minlength=k + 1)[1:]
         used = int((counts > 0).sum())
         if dev.type == "cpu" and int(counts.sum()) >= min_segment * used:
@@ -69,6 +78,10 @@ class LoRAStep:
             from pagedllm.lora.triton_bgmv import bgmv_add_
 
             bgmv_add_(y, x, w, self.slot_of_token)
+            return
+        if self.gathered:
+            los = [lo for lo, _ in w.bounds]
+            torch.ops.pagedllm.lora_bgmv.default(y, x.contiguous(), w.a, w.b, los, self.slot_of_token)
             return
         if self.runs is not None:
             add_segmented_(y, x, w, self.order, self.runs)

@@ -21,8 +21,10 @@ from pagedllm.protocol.lora_request import AdapterPages
 
 class LoRAManager:
     def __init__(self, shapes: LoRAShapes, max_loras: int, max_rank: int, kv_cache: KVCache,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 pages_dtype: torch.dtype = torch.float32) -> None:
         self.shapes, self.max_rank, self.dtype, self.kv_cache = shapes, max_rank, dtype, kv_cache
+        self.pages_dtype = pages_dtype  # what the core packed adapters in (``lora.pages.page_dtype``)
         self.slots = LoRASlots(shapes, max_loras, max_rank, dtype, device)
         self.pages: dict[int, tuple[list[int], int]] = {}  # adapter id -> (its KV pages, its rank)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
@@ -68,7 +70,8 @@ class LoRAManager:
         else:  # the least recently used slot this step does not need
             victim = next(i for i in self.slot_of if i not in needed)
             slot = self.slot_of.pop(victim)
-        flat = self.kv_cache.read_pages(pages, packed_bytes(self.shapes, rank)).view(torch.float32)
+        nbytes = packed_bytes(self.shapes, rank, self.pages_dtype)
+        flat = self.kv_cache.read_pages(pages, nbytes).view(self.pages_dtype)
         self.slots.write_packed(slot, flat, rank)
         self.slot_of[lora_id] = slot
         self.num_slot_fills += 1

@@ -24,7 +24,7 @@ import torch
 
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.lora.adapter import LoRALoadError, LoRAShapes, load_adapter
-from pagedllm.lora.pages import pack, packed_bytes
+from pagedllm.lora.pages import pack, packed_bytes, page_dtype
 from pagedllm.lora.registry import shapes_for_model
 from pagedllm.protocol.lora_request import AdapterPages, LoRARequest
 
@@ -39,8 +39,9 @@ class AdapterPager:
     """Which adapters hold pages, which are being read, and what the worker must store next step."""
 
     def __init__(self, kv: KVCacheManager, shapes: LoRAShapes, max_rank: int, page_bytes: int,
-                 max_cpu_loras: int = 1) -> None:
+                 max_cpu_loras: int = 1, dtype: torch.dtype = torch.float32) -> None:
         self.kv, self.shapes, self.max_rank, self.page_bytes = kv, shapes, max_rank, page_bytes
+        self.dtype = dtype  # adapters are packed in it (``lora.pages.page_dtype`` of the model's dtype)
         self.max_cpu_loras = max(max_cpu_loras, 1)
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> rank, least recently used first
         self.host: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()  # id -> (rank, packed), LRU first
@@ -56,15 +57,15 @@ class AdapterPager:
         if not args.enable_lora:
             return None
         return cls(kv, shapes_for_model(args.model), args.max_lora_rank, spec.kv_pool["page_bytes"],
-                   args.max_cpu_loras or args.max_loras)
+                   args.max_cpu_loras or args.max_loras, page_dtype(spec.dtype))
 
     def read(self, lora: LoRARequest) -> tuple[int, torch.Tensor]:
         """Read, check and pack ``lora`` (runs in the loader thread; tests replace it to gate a load)."""
         adapter = load_adapter(lora, self.shapes, self.max_rank)
-        return adapter.rank, pack(adapter, self.shapes)
+        return adapter.rank, pack(adapter, self.shapes, self.dtype)
 
     def pages_for(self, rank: int) -> int:
-        return -(-packed_bytes(self.shapes, rank) // self.page_bytes)
+        return -(-packed_bytes(self.shapes, rank, self.dtype) // self.page_bytes)
 
     def ready(self, lora: LoRARequest, busy: set[int]) -> bool:
         """Whether a request for ``lora`` can run this step: its adapter holds pages (made so now if it was
@@ -135,6 +136,28 @@ class AdapterPager:
         self.resident.pop(lora_id, None)
         self.kv.free_pages(_owner(lora_id))
 
+    def unload(self, lora_id: int, busy: set[int]) -> bool:
+        """An adapter no longer served (``/v1/unload_lora_adapter``): its host copy and any read in flight are
+        dropped, and its pages freed at once if no request in ``busy`` uses it (True); else it becomes the first
+        to evict once they finish (False)."""
+        self.host.pop(lora_id, None)
+        fut = self.loading.pop(lora_id, None)
+        if fut is not None:
+            fut.cancel()
+        if lora_id not in self.resident:
+            return False
+        if lora_id in busy:
+            self.resident.move_to_end(lora_id, last=False)
+            return False
+        self.remove(lora_id)
+        return True
+
+    def forget(self, stored: list[AdapterPages]) -> None:
+        """A step carrying these adapters' weights failed, so the worker may not have written their pages: free
+        them and mark the adapters not resident (their next request sends them again from the host copy)."""
+        for ap in stored:
+            self.remove(ap.lora_id)
+
     def wait_for_load(self) -> bool:
         """Block until one adapter read in flight is done (the engine has nothing else to run); False if none is."""
         if not self.loading:
@@ -157,3 +180,8 @@ class AdapterPager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def unload_adapter(lora_id: int, core) -> bool:
+    """``core.call`` target (module level, so it crosses to a core process): free an unloaded adapter's pages."""
+    return core.scheduler.unload_lora(lora_id)

@@ -1,10 +1,11 @@
-"""An adapter's weights as one flat float32 tensor: the bytes its KV pages hold (unified paging, issue 32).
+"""An adapter's weights as one flat tensor: the bytes its KV pages hold (unified paging, issue 32).
 
 Layer by layer, group by group (``adapter.GROUPS``, the model's fused projections): the group's A matrices
 ``[targets, r, in]`` then each target's ``B^T [r, out]`` (already times the scaling), ``r`` the adapter's own
 rank and a target it does not train all zeros. It is the slots' layout at rank ``r``, so filling a compute
-slot from pages is one read and a few strided copies. float32 whatever the model's dtype: the core packs
-without knowing it (a bf16 model's adapters take twice the pages they would need).
+slot from pages is one read and a few strided copies. In the model's dtype where it is 16-bit (``page_dtype``,
+as vLLM keeps adapters in the model's dtype: a bf16 model's adapters take half the pages of float32 ones; the
+slots upcast them exactly when the model computes in float32), else float32.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import torch
 
 from pagedllm.lora.adapter import GROUPS, LoRAAdapter, LoRAShapes
 
-DTYPE = torch.float32
+def page_dtype(model_dtype: torch.dtype | str) -> torch.dtype:
+    """The dtype adapters are paged in for a model stored in ``model_dtype`` (a dtype or its name)."""
+    dt = getattr(torch, model_dtype) if isinstance(model_dtype, str) else model_dtype
+    return dt if dt in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def packed_numel(shapes: LoRAShapes, rank: int) -> int:
@@ -21,21 +25,21 @@ def packed_numel(shapes: LoRAShapes, rank: int) -> int:
     return shapes.num_layers * rank * sum(i + o for o, i in shapes.shapes.values())
 
 
-def packed_bytes(shapes: LoRAShapes, rank: int) -> int:
-    return packed_numel(shapes, rank) * DTYPE.itemsize
+def packed_bytes(shapes: LoRAShapes, rank: int, dtype: torch.dtype = torch.float32) -> int:
+    return packed_numel(shapes, rank) * dtype.itemsize
 
 
-def pack(adapter: LoRAAdapter, shapes: LoRAShapes) -> torch.Tensor:
-    """``adapter``'s weights in the page layout (module docstring)."""
+def pack(adapter: LoRAAdapter, shapes: LoRAShapes, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``adapter``'s weights in the page layout (module docstring), cast to ``dtype``."""
     r = adapter.rank
     parts = []
     for layer in range(shapes.num_layers):
         for targets in GROUPS.values():
             in_dim = shapes.shapes[targets[0]][1]
-            a = torch.zeros(len(targets), r, in_dim, dtype=DTYPE)
+            a = torch.zeros(len(targets), r, in_dim, dtype=dtype)
             bs = []
             for t, target in enumerate(targets):
-                b = torch.zeros(r, shapes.shapes[target][0], dtype=DTYPE)
+                b = torch.zeros(r, shapes.shapes[target][0], dtype=dtype)
                 ab = adapter.weights.get((layer, target))
                 if ab is not None:
                     a[t, : ab[0].shape[0]] = ab[0]

@@ -12,6 +12,7 @@ loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a
 | ``gemm`` | ``linear``, ``quant_linear``, ``dequantize`` |
 | ``fused_ops`` | ``add_rms_norm``, ``rope``, ``silu_mul`` |
 | ``quant_a8`` | ``linear_a8``, ``quantize_a8``, ``pack_a8``, ``linear_a8_packed`` |
+| ``lora_bgmv`` | ``lora_bgmv`` |
 """
 
 from __future__ import annotations

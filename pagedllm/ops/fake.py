@@ -104,3 +104,8 @@ def _linear_a8_packed(x, packed, qtype, N, bias=None) -> torch.Tensor:
 for _kernel, _ops in _FAKES.items():  # libraries loaded before this module was imported
     if all(hasattr(torch.ops.pagedllm, op) for op, _ in _ops):
         register(_kernel)
+
+
+@_fake("lora_bgmv", "lora_bgmv")
+def _lora_bgmv(y, x, a, bs, los, slots) -> None:
+    return None

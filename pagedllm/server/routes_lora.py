@@ -6,11 +6,13 @@ already served and the requests running are untouched."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.lora.pager import unload_adapter
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.protocol.lora_request import LoRARequest
 from pagedllm.server.errors import APIError
@@ -74,12 +76,14 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> PlainTex
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> PlainTextResponse:
-    """New requests can no longer name the adapter; running ones finish with it, and the worker's copies age
-    out of its LRU (ids are never reused, so no cached KV of it is ever matched again)."""
+    """New requests can no longer name the adapter; its pages go back to the pool at once unless running
+    requests use it (they finish with it; it is then the first evicted). Ids are never reused, so no cached KV
+    of it is ever matched again."""
     loras = _registry(request)
     try:
-        loras.remove(body.lora_name)
+        lora = loras.remove(body.lora_name)
     except KeyError:
         raise APIError(404, f"LoRA adapter {body.lora_name!r} is not loaded", param="lora_name",
                        code="model_not_found") from None
+    await request.app.state.engine.call(functools.partial(unload_adapter, lora.lora_int_id))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

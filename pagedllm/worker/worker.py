@@ -19,6 +19,7 @@ from pagedllm.protocol.step_io import DeferredOutput, ModelRunnerOutput, Schedul
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.lora.adapter import LoRAShapes
 from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.pages import page_dtype
 from pagedllm.lora.slots import LoRASlots
 from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 from pagedllm.models.llama import LlamaForCausalLM
@@ -97,7 +98,8 @@ class Worker:
         self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
         self.forward_pass.threads = cpu_threads.governor_for(args.cpu_thread_policy, self.device, tp is not None)
         if args.enable_lora:  # resident adapters live in KV pages; the compute slots were taken from the budget
-            lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, self.kv_cache, model.act_dtype, self.device)
+            lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, self.kv_cache, model.act_dtype, self.device,
+                               page_dtype(dtype))
         graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
         if graphs is not None:
             num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out

@@ -1,12 +1,13 @@
 """The batched LoRA delta equals each token's own adapter applied alone (``y + scaling * B A x``), for the torch
-paths (masked and segmented) and the Triton BGMV kernels (in Triton's interpreter here, on CUDA where one is at
-hand)."""
+paths (masked and segmented), the C++ gathered kernel and the Triton BGMV kernels (in Triton's interpreter here, on
+CUDA where one is at hand)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedllm import ops
 from pagedllm.lora.adapter import LoRAAdapter, LoRAShapes
 from pagedllm.lora.delta import LoRAStep, add_masked_
 from pagedllm.lora.slots import GROUPS, LoRASlots
@@ -59,14 +60,19 @@ def inputs(group: str, T: int, seed: int):
     return torch.randn(T, out, generator=g), torch.randn(T, SHAPES.shapes[targets[0]][1], generator=g)
 
 
-@pytest.mark.parametrize("segmented", [False, True])
+needs_kernel = pytest.mark.skipif(not ops.load("lora_bgmv"), reason="no C++ compiler / AVX2 here")
+PATHS = ["masked", "segmented", pytest.param("gathered", marks=needs_kernel)]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("group", list(GROUPS))
 @pytest.mark.parametrize("layer", [0, 1])
-def test_torch_paths_match_definition(setup, group, layer, segmented):
+def test_cpu_paths_match_definition(setup, group, layer, path):
     slots, per_token, slot_of_token = setup
     y, x = inputs(group, len(per_token), layer)
-    step = LoRAStep.build(slots, slot_of_token, torch.float32, min_segment=1 if segmented else 10**9)
-    assert (step.runs is not None) == segmented
+    step = LoRAStep.build(slots, slot_of_token, torch.float32, min_segment=1 if path == "segmented" else 10**9,
+                          gathered=path == "gathered")
+    assert (step.runs is not None, step.gathered) == (path == "segmented", path == "gathered")
     want = reference(y, x, per_token, layer, group)
     step.add_(layer, group, y, x)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
@@ -88,10 +94,41 @@ def test_triton_bgmv_matches_torch_path(setup, group):
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter (tests/conftest.py)
     y, x = inputs(group, len(per_token), 7)
     want = y.clone()
-    step = LoRAStep.build(slots, slot_of_token, torch.float32, min_segment=10**9)
+    step = LoRAStep.build(slots, slot_of_token, torch.float32, min_segment=10**9, gathered=False)
     add_masked_(want, x, slots.layers[1][group], step.mask, step.k)
     w = slots.layers[1][group]
     wd = GroupWeights(w.a.to(dev), [b.to(dev) for b in w.b], w.bounds)
     yd = y.to(dev)
     bgmv_add_(yd, x.to(dev), wd, slot_of_token.to(dev))
     torch.testing.assert_close(yd.cpu(), want, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [1, 7])
+def test_gathered_kernel_odd_shapes(T):
+    """Widths, ranks and inputs that are no multiple of the kernel's 8 lanes or 4 rows: the tails are exact too,
+    and a strided ``y`` (a slice of a wider output) gets only its own columns."""
+    g = torch.Generator().manual_seed(T)
+    S, n, R, K, widths = 3, 3, 3, 21, [13, 5, 9]
+    a = torch.randn(S, n, R, K, generator=g)
+    bs = [torch.randn(S, R, w, generator=g) for w in widths]
+    los = [2, 15, 20]
+    x = torch.randn(T, K, generator=g)
+    wide = torch.randn(T, 40, generator=g)
+    slots = torch.randint(-1, S, (T,), generator=g)
+    want = wide.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            for i, (lo, w) in enumerate(zip(los, widths)):
+                want[t, 1 + lo:1 + lo + w] += (a[s, i] @ x[t]) @ bs[i][s]
+    torch.ops.pagedllm.lora_bgmv.default(wide[:, 1:], x, a, bs, los, slots)
+    torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_gathered_kernel_refuses_a_slot_out_of_range(setup):
+    slots, per_token, _ = setup
+    y, x = inputs("o", 2, 0)
+    w = slots.layers[0]["o"]
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.pagedllm.lora_bgmv.default(y, x, w.a, w.b, [0], torch.tensor([0, 4]))

@@ -156,6 +156,39 @@ def test_adapter_broken_after_its_check_fails_only_its_request(tiny_model_dir, t
     eng.shutdown()
 
 
+def test_step_failing_before_the_pages_are_written_frees_them(tiny_model_dir, tiny_hf, tiny_adapters, monkeypatch):
+    """The worker fails between the core's page allocation and its write: the request fails with the error, the
+    adapter is not left counted resident over unwritten pages (its pages are free), and the next request for it
+    sends the weights again and runs exactly."""
+    from pagedllm.lora.manager import LoRAManager
+
+    store = LoRAManager.store
+    calls = []
+
+    def fail_first(self, ap):
+        calls.append(ap.lora_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the worker died before writing the pages")
+        store(self, ap)
+
+    monkeypatch.setattr(LoRAManager, "store", fail_first)
+    llm = make_llm(tiny_model_dir)
+    eng, lora = llm.engine, LoRARequest("a0", 1, tiny_adapters[0])
+    rid = eng.add_request([4, 5, 7], GREEDY, lora_request=lora)
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            final[out.request_id] = out
+    assert "injected" in final[rid].error
+    pager = eng.scheduler.adapters
+    assert not pager.resident and eng.kv.num_page_blocks == 0 and eng.kv.pool.num_used == 0
+    eng.core.check_integrity()
+    out = llm.generate([[4, 5, 7]], GREEDY, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+    assert out == peft_greedy(tiny_hf, tiny_adapters[0], [[4, 5, 7]], 6)[0] and calls == [1, 1]
+    eng.core.check_integrity()
+    eng.shutdown()
+
+
 def test_adapter_pages_cross_to_a_worker_process(tiny_model_dir, tiny_hf, tiny_adapters):
     """With the worker in another process the packed weights travel in the step message and land in its pages."""
     llm = make_llm(tiny_model_dir, distributed_executor_backend="mp")

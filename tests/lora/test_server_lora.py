@@ -76,6 +76,25 @@ def test_load_use_unload_at_runtime(srv, tiny_hf, tiny_adapters):
         assert gone.status_code == 404 and "'a2'" in gone.json()["error"]["message"]
 
 
+def pool_view(core) -> tuple[int, dict[int, int]]:
+    """The pool's free blocks and each resident adapter's pages (read between steps in the core)."""
+    return core.kv.num_free_blocks, {i: len(core.kv.pages_of(("lora", i))) for i in core.scheduler.adapters.resident}
+
+
+def test_unload_frees_the_adapters_pages_at_once(srv, tiny_adapters):
+    """An idle adapter's pages go back to the pool right when it is unloaded, not when the LRU gets to it."""
+    with client(srv) as c:
+        assert c.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": tiny_adapters[3]}
+                      ).status_code == 200
+        lid = srv.engine.loras.get("a3").lora_int_id
+        assert complete(c, "a3").status_code == 200
+        free, pages = srv.engine.client.call(pool_view).result(60)
+        assert pages[lid] > 0
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "a3"}).status_code == 200
+        free_after, pages_after = srv.engine.client.call(pool_view).result(60)
+    assert lid not in pages_after and free_after == free + pages[lid]
+
+
 @pytest.mark.parametrize("kind,reason", [("rank", "above max_lora_rank 16"), ("shape", "another base model"),
                                          ("broken", "weights file is broken")])
 def test_bad_adapter_refused_server_keeps_serving(srv, bad_adapters, kind, reason):
