@@ -6,7 +6,8 @@ others as copies of its files with fresh random A and B. Each request draws its 
 (p_i ~ 1 / i^``--zipf``). Our engine runs every request in one ``generate`` (adapters mixed in each batch, at most
 ``--max-loras`` of them resident at once, the rest paged in on demand); the base model runs the same prompts
 without adapters; HF + PEFT loads every adapter into one ``PeftModel`` and runs each adapter's requests as one
-left-padded ``generate`` batch after ``set_adapter``. Base and LoRA alternate order from round to round.
+left-padded ``generate`` batch after ``set_adapter``. Each round runs all three once, in an order that rotates
+from round to round, so a drift in the machine's load falls on every side.
 The warm-up reads every adapter the workload uses once (as HF + PEFT preloads them): the timed rounds measure
 serving, adapters paged between the KV pool's pages and the compute slots, not first reads from disk.
 """
@@ -71,9 +72,8 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def hf_peft_one_at_a_time(model_dir: str, paths: list[str], prompts: list[list[int]], lens: list[int],
-                          picks: list[int]) -> float:
-    """Wall seconds for HF + PEFT: every adapter loaded once, each adapter's requests one left-padded batch."""
+def hf_peft_model(model_dir: str, paths: list[str], picks: list[int]):
+    """HF + PEFT with every adapter the workload picks loaded once (as a one-adapter-at-a-time server would)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -81,7 +81,11 @@ def hf_peft_one_at_a_time(model_dir: str, paths: list[str], prompts: list[list[i
     model = PeftModel.from_pretrained(hf, paths[0], adapter_name="a0")
     for i in sorted(set(picks) - {0}):
         model.load_adapter(paths[i], adapter_name=f"a{i}")
-    t0 = time.perf_counter()
+    return model
+
+
+def hf_peft_one_at_a_time(model, prompts: list[list[int]], lens: list[int], picks: list[int]) -> None:
+    """HF + PEFT serving one adapter at a time: each adapter's requests as one left-padded batch."""
     for i in sorted(set(picks)):
         rows = [j for j, p in enumerate(picks) if p == i]
         model.set_adapter(f"a{i}")
@@ -92,7 +96,6 @@ def hf_peft_one_at_a_time(model_dir: str, paths: list[str], prompts: list[list[i
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            pad_token_id=0)
-    return time.perf_counter() - t0
 
 
 def run(args) -> Report:
@@ -124,16 +127,22 @@ def run(args) -> Report:
             first = list({lr.lora_int_id: lr for lr in loras}.values())  # warm up: every adapter read once
             llm.generate([prompts[0]] * len(first), params[0], use_tqdm=False, lora_request=first)
             base.generate(prompts[:2], params[:2], use_tqdm=False)
-            t = {"base": 0.0, "lora": 0.0}
-            for r in range(rounds):
-                for side in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
-                    eng = base if side == "base" else llm
-                    eng.reset_prefix_cache()
-                    t[side] += _timed(lambda: eng.generate(prompts, params, use_tqdm=False,
-                                                           lora_request=None if side == "base" else loras))[0]
+            hf = None if args.no_hf else hf_peft_model(model_dir, paths, picks)
+            sides = ("base", "lora") + (() if hf is None else ("hf",))
+            run_side = {
+                "base": lambda: base.generate(prompts, params, use_tqdm=False),
+                "lora": lambda: llm.generate(prompts, params, use_tqdm=False, lora_request=loras),
+                "hf": lambda: hf_peft_one_at_a_time(hf, prompts, lens, picks)}
+            t = dict.fromkeys(sides, 0.0)
+            for r in range(rounds):  # every side once a round, the order rotating, so load drifts hit all alike
+                for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+                    base.reset_prefix_cache()
+                    llm.reset_prefix_cache()
+                    t[side] += _timed(run_side[side])[0]
             loads.append(os.getloadavg()[0])
             base_tps, lora_tps = rounds * out_tokens / t["base"], rounds * out_tokens / t["lora"]
-            hf_tps = None if args.no_hf else out_tokens / hf_peft_one_at_a_time(model_dir, paths, prompts, lens, picks)
+            hf_tps = rounds * out_tokens / t["hf"] if "hf" in t else None
+            del hf
             llm.engine.shutdown()
             res = {"adapters": n, "distinct_used": len(set(picks)), "base_tok_s": base_tps, "lora_tok_s": lora_tps,
                    "lora_vs_base": lora_tps / base_tps, "hf_peft_tok_s": hf_tps,
@@ -147,8 +156,9 @@ def run(args) -> Report:
         f"{num} requests (prompts {'8-48' if args.quick else '32-256'} tokens of real text, "
         f"{'4-16' if args.quick else '32-64'} output tokens, greedy, EOS ignored); adapters of rank {args.rank} on "
         f"every target, Zipf popularity (s={args.zipf}); {min(args.max_loras, max(counts))} device slots at most",
-        "tok/s = output tokens / wall time, every adapter read once before (warm-up); base and LoRA alternate "
-        f"order over {rounds} round(s); HF + PEFT: one left-padded generate per adapter, adapters preloaded, one round",
+        "tok/s = output tokens / wall time, every adapter read once before (warm-up); base, LoRA and HF + PEFT run "
+        f"once a round in rotating order over {rounds} round(s); HF + PEFT: one left-padded generate per adapter, "
+        "adapters preloaded",
         f"1-minute load average at the start and after each adapter count: {', '.join(f'{x:.2f}' for x in loads)}"])
     rep.tables.append(Table(["adapters", "used", "base tok/s", "LoRA tok/s", "LoRA / base", "HF+PEFT tok/s",
                              "LoRA / HF+PEFT"], rows, digits=2))
