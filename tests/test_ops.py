@@ -62,6 +62,8 @@ def _cases() -> list[tuple[str, tuple, dict]]:
         ("quant_linear", (x, q4, Q4_1, None), {}),
         ("quant_linear", (x, q8, Q8_0, torch.randn(9, generator=g)), {}),
         ("dequantize", (q8, Q8_0, 64), {}),
+        ("quant_gemv", (x[:1], q4, Q4_1, torch.randn(9, generator=g)), {}),
+        ("quant_gemv", (x[:1], q8, Q8_0, None), {}),
         ("add_rms_norm", (torch.randn(3, 24, generator=g), torch.randn(3, 24, generator=g), torch.randn(24), 1e-5), {}),
         ("add_rms_norm", (torch.randn(3, 24, generator=g), None, torch.randn(24), 1e-5), {}),
         ("rope", (torch.randn(3, 4, 16, generator=g), torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)),

@@ -60,6 +60,11 @@ def _quant_linear(x, wq, qtype, bias=None) -> torch.Tensor:
     return x.new_empty((x.shape[0], wq.shape[0]))
 
 
+@_fake("gemv", "quant_gemv")
+def _quant_gemv(x, wq, qtype, bias=None) -> torch.Tensor:
+    return x.new_empty((1, wq.shape[0]))
+
+
 @_fake("gemm", "dequantize")
 def _dequantize(wq, qtype, K) -> torch.Tensor:
     return wq.new_empty((wq.shape[0], K), dtype=torch.float32)
