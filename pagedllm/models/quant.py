@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm import ops
-from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, Q4_1, QUANT_NAMES
+from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, QUANT_NAMES
 
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
 QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8")
-# batch-1 Q4_1 GEMVs through ops/csrc/gemv.cpp (block scales factored out: ~10% less CPU time, fp32 rounding apart
+# batch-1 GEMVs through ops/csrc/gemv.cpp (block scales factored out: 1.1-1.5x less CPU time, fp32 rounding apart
 # from gemm.cpp's result); PAGEDLLM_BITWISE_GEMV=1 keeps them on gemm.cpp, bit-identical to the dense fp32 kernel
 FACTORED_GEMV = os.environ.get("PAGEDLLM_BITWISE_GEMV") != "1"
 
@@ -157,6 +157,6 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None
         return y.to(x.dtype)
     x = x.float().contiguous()
     require_kernel()
-    if x.shape[0] == 1 and w.qtype == Q4_1 and FACTORED_GEMV and ops.load("gemv"):
+    if x.shape[0] == 1 and FACTORED_GEMV and ops.load("gemv"):
         return torch.ops.pagedllm.quant_gemv.default(x, w.data, w.qtype, b)
     return torch.ops.pagedllm.quant_linear.default(x, w.data, w.qtype, b)

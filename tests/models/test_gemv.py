@@ -25,7 +25,7 @@ def reference(x: torch.Tensor, dense: torch.Tensor, b: torch.Tensor | None) -> t
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (192, 576), (13, 1536), (3072, 576)])  # tiles of 4 and the tail
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (192, 576), (13, 1536), (3072, 576)])  # tiles of 4, tail, 1
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_is_as_close_to_float64_as_the_bit_exact_kernel(qtype, n, k, bias):
     qw, dense = make_weight(qtype, n, k, seed=n + k)
@@ -57,13 +57,12 @@ def test_gemv_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_linear_routes_only_one_row_q4_1_to_the_gemv(monkeypatch, m, qtype):
-    """Q4_1 at one row: gemv.cpp; Q8_0 (the LM head, faster through gemm.cpp's buffer at one row) and more rows:
-    gemm.cpp, bit-identical to the dense kernel; PAGEDLLM_BITWISE_GEMV=1 (FACTORED_GEMV off) or no gemv build:
-    gemm.cpp at one row too."""
+    """One row: gemv.cpp; more rows: gemm.cpp, bit-identical to the dense kernel; PAGEDLLM_BITWISE_GEMV=1
+    (FACTORED_GEMV off) or no gemv build: gemm.cpp at one row too."""
     qw, dense = make_weight(qtype, 40, 576, seed=m)
     x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
     bitwise = torch.ops.pagedllm.linear(x, dense, None)
-    expect_gemv = m == 1 and qtype == Q4_1
+    expect_gemv = m == 1
     y = layers.linear(x, qw)
     assert torch.equal(y, torch.ops.pagedllm.quant_gemv(x, qw.data, qw.qtype) if expect_gemv else bitwise)
     monkeypatch.setattr(quant, "FACTORED_GEMV", False)
@@ -76,7 +75,7 @@ def test_linear_routes_only_one_row_q4_1_to_the_gemv(monkeypatch, m, qtype):
 @needs_kernels
 @pytest.mark.slow
 def test_smollm2_gguf_batch1_greedy_matches_hf(smollm2_dir):
-    """Batch-1 decode on the embedded model's Q4_1 blocks (every layer GEMV through gemv.cpp): HF's greedy tokens on
+    """Batch-1 decode on the embedded model's Q4_1 / Q8_0 blocks (every GEMV through gemv.cpp): HF's greedy tokens on
     the dequantized weights, logits within 1e-4, over 24 steps of real text."""
     from transformers import AutoModelForCausalLM
 

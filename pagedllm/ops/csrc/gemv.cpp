@@ -22,7 +22,10 @@ namespace {
 
 using namespace pagedllm_ops;  // hsum8, the GGUF blocks and their checks
 
-constexpr int64_t NR = 4;  // rows of W per tile: 8 independent accumulators keep both FMA pipes busy
+// Rows of W per tile: 4 for Q4_1 rows under LONG_ROW columns (8 independent accumulators keep both FMA pipes busy
+// on short rows), else 1: one sequential stream per thread, which measured faster on long rows (SmolLM2's down
+// projection, K = 1536: 1.4x) and on the Q8_0 LM head (1.5x; 4 or 8 rows were slower than gemm.cpp's buffer).
+constexpr int64_t NR = 4, LONG_ROW = 1024;
 
 // 8 int8 codes at p -> fp32 (Q8_0); 8 bytes of nibbles -> their low / high nibbles as fp32 (Q4_1)
 [[gnu::always_inline]] inline __m256 codes_i8(const int8_t* p) {
@@ -87,15 +90,15 @@ template <typename B>
     if (nr == NR) return tile_q4_1<NR>(x, xs, kb, w, y, bias);
     for (int64_t r = 0; r < nr; ++r) tile_q4_1<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
   } else {
-    if (nr == NR) return tile_q8_0<NR>(x, xs, kb, w, y, bias);
     for (int64_t r = 0; r < nr; ++r) tile_q8_0<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
   }
 }
 
-// Each thread takes a contiguous range of NR-row tiles of W (one parallel region per call, as gemm.cpp).
+// Each thread takes a contiguous range of tiles of W (one parallel region per call, as gemm.cpp).
 template <typename B>
 void gemv(const float* x, const B* w, const float* bias, float* y, int64_t N, int64_t K) {
-  const int64_t kb = K / 32, tiles = (N + NR - 1) / NR;
+  const int64_t rows = std::is_same_v<B, BlockQ4_1> && K < LONG_ROW ? NR : 1;  // per tile
+  const int64_t kb = K / 32, tiles = (N + rows - 1) / rows;
   std::vector<float> xs(std::is_same_v<B, BlockQ4_1> ? 8 * kb : 0);
   for (int64_t b = 0; b < static_cast<int64_t>(xs.size()) / 8; ++b) {
     const float* xb = x + 32 * b;
@@ -106,8 +109,8 @@ void gemv(const float* x, const B* w, const float* bias, float* y, int64_t N, in
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t n = t * NR;
-    tile(x, xs.data(), kb, w + n * kb, std::min<int64_t>(NR, N - n), y + n, bias ? bias + n : nullptr);
+    const int64_t n = t * rows;
+    tile(x, xs.data(), kb, w + n * kb, std::min<int64_t>(rows, N - n), y + n, bias ? bias + n : nullptr);
   }
 }
 
