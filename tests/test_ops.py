@@ -76,6 +76,14 @@ def _cases() -> list[tuple[str, tuple, dict]]:
         ("pack_a8", (q8, Q8_0), {}),
         ("linear_a8_packed", (x, torch.ops.pagedllm.pack_a8(q4, Q4_1), Q4_1, 9, torch.randn(9, generator=g)), {}),
     ]
+    d = make_random_batch([1], [9], num_kv_heads=2, group=2, head_dim=16, spare_blocks=2)  # one decode token
+    dm = d.meta
+    out.append(("decode_layer", (torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g), torch.rand(64),
+                                 torch.rand(64), 1e-5, _blocks(Q4_1, 128, 64), _blocks(Q8_0, 64, 64),
+                                 _blocks(Q4_1, 256, 64), _blocks(Q4_1, 64, 128), [Q4_1, Q8_0, Q4_1, Q4_1],
+                                 torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g), 4, d.k_cache,
+                                 d.v_cache, dm.slot_mapping, dm.block_tables, dm.seq_lens, dm.query_start_loc,
+                                 dm.block_size, d.scale, 4), {}))
     return out
 
 
@@ -103,8 +111,9 @@ def test_mutations_are_declared_in_the_schemas():
     assert writes["write_kv"] == writes["attend_qkv"] == ["k_cache", "v_cache", "k_scale", "v_scale"]
     assert writes["paged_attention_out"] == ["out"]
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"]
+    assert writes["decode_layer"] == ["h", "k_cache", "v_cache", "k_scale", "v_scale"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
-                                                              "add_rms_norm", "rope"))
+                                                              "add_rms_norm", "rope", "decode_layer"))
 
 
 def _layer(h, delta, norm_w, qkv_w, cos, sin, k_cache, v_cache, slots, tables, seq_lens, qsl, num_heads: int,

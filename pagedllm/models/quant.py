@@ -26,6 +26,8 @@ from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, QUANT_NAMES
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
 QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8")
+# the weight matrices of a decoder layer (dense tensors or GGUF blocks)
+MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 # batch-1 GEMVs through ops/csrc/gemv.cpp (block scales factored out: 1.1-1.5x less CPU time, fp32 rounding apart
 # from gemm.cpp's result); PAGEDLLM_BITWISE_GEMV=1 keeps them on gemm.cpp, bit-identical to the dense fp32 kernel
 FACTORED_GEMV = os.environ.get("PAGEDLLM_BITWISE_GEMV") != "1"
