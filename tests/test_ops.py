@@ -81,9 +81,9 @@ def _cases() -> list[tuple[str, tuple, dict]]:
     out.append(("decode_layer", (torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g), torch.rand(64),
                                  torch.rand(64), 1e-5, _blocks(Q4_1, 128, 64), _blocks(Q8_0, 64, 64),
                                  _blocks(Q4_1, 256, 64), _blocks(Q4_1, 64, 128), [Q4_1, Q8_0, Q4_1, Q4_1],
-                                 torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g), 4, d.k_cache,
-                                 d.v_cache, dm.slot_mapping, dm.block_tables, dm.seq_lens, dm.query_start_loc,
-                                 dm.block_size, d.scale, 4), {}))
+                                 [128, 64, 256, 64], False, torch.randn(1, 8, generator=g),
+                                 torch.randn(1, 8, generator=g), 4, d.k_cache, d.v_cache, dm.slot_mapping,
+                                 dm.block_tables, dm.seq_lens, dm.query_start_loc, dm.block_size, d.scale, 4), {}))
     return out
 
 

@@ -16,10 +16,14 @@ needs_kernels = pytest.mark.skipif(not all(ops.load(k) for k in fused.KERNELS),
 
 
 @pytest.fixture(scope="module")
-def smol():
+def ckpt():
     from pagedllm.models.loader import load_checkpoint
 
-    ckpt = load_checkpoint(None)
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def smol(ckpt):
     return ckpt, llama.LlamaForCausalLM.from_checkpoint(ckpt)  # auto: the GGUF blocks
 
 
@@ -36,8 +40,9 @@ def run_steps(model, backend_name: str, decode_steps: int) -> tuple[list[torch.T
 
 @needs_kernels
 @pytest.mark.slow
-def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(smol, monkeypatch):
-    _, model = smol
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-a8"])
+def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization, monkeypatch):
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization)
     calls = []
     real = llama.decode_layer
     monkeypatch.setattr(llama, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -53,7 +58,7 @@ def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(smol, monkeypatch)
 
 @needs_kernels
 def test_fused_layer_applies_only_where_the_per_op_path_calls_the_same_ops(smol, monkeypatch):
-    ckpt, model = smol
+    _, model = smol
     layer, cpu = model.layers[0], get_backend("cpu")
     one, two = torch.zeros(1, 576), torch.zeros(2, 576)
     assert fused.fused_layer_applies(layer, one, cpu)
@@ -63,12 +68,11 @@ def test_fused_layer_applies_only_where_the_per_op_path_calls_the_same_ops(smol,
     monkeypatch.setattr(layer, "qkv_bias", torch.zeros(960))
     assert not fused.fused_layer_applies(layer, one, cpu)
     monkeypatch.undo()
-    monkeypatch.setattr(model.layers[0], "down_weight", layer.down_weight.pack_a8())  # gguf-a8: its own kernels
+    monkeypatch.setattr(model.layers[0], "down_weight", layer.down_weight.pack_a8())  # mixed gguf and gguf-a8
     assert not fused.fused_layer_applies(layer, one, cpu)
     monkeypatch.undo()
-    for flag in ("FUSED",):
-        monkeypatch.setattr(fused, flag, False)
-        assert not fused.fused_layer_applies(layer, one, cpu)
+    monkeypatch.setattr(fused, "FUSED", False)  # PAGEDLLM_UNFUSED_DECODE=1
+    assert not fused.fused_layer_applies(layer, one, cpu)
     monkeypatch.undo()
     monkeypatch.setattr(fused.quant, "FACTORED_GEMV", False)  # the bit-exact GEMVs: the per-op path
     assert not fused.fused_layer_applies(layer, one, cpu)

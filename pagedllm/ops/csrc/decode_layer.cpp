@@ -1,7 +1,8 @@
 // A whole Llama decoder layer for one decode token (batch 1) in one call: the model's op sequence
-//   add_rms_norm -> quant_gemv (qkv) -> rope -> attend_qkv -> quant_gemv (o) -> add_rms_norm -> quant_gemv
-//   (gate/up) -> silu_mul -> quant_gemv (down)
-// called from C++ through the dispatcher, so the results are those of the separate ops, bit for bit.
+//   add_rms_norm -> GEMV (qkv) -> rope -> attend_qkv -> GEMV (o) -> add_rms_norm -> GEMV (gate/up) -> silu_mul
+//   -> GEMV (down)
+// with the GEMVs of quantization="gguf" (quant_gemv) or "gguf-a8" (linear_a8_packed), called from C++ through the
+// dispatcher, so the results are those of the separate ops, bit for bit.
 // At batch 1 the kernels of a layer take ~0.4 ms of CPU on SmolLM2-135M, and the Python between them (argument
 // checks, wrappers, nine trips through torch.ops with their argument parsing) was a further ~0.1 ms: a third of
 // a step's CPU time outside the GEMVs. The other libraries (fused_ops, gemv, paged_attention) must be loaded
@@ -23,36 +24,44 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 }  // namespace
 
 // h: [1, E] residual stream (updated in place: += delta, then += the attention output); returns the MLP output
-// [1, E] (the next layer's delta). qtypes: the GGUF formats of qkv, o, gate_up and down.
+// [1, E] (the next layer's delta). qtypes: the GGUF formats of qkv, o, gate_up and down, rows their output
+// sizes; int8_activations: the matrices are pack_a8's (gguf-a8), else GGUF block rows.
 Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_norm, double eps, Tensor qkv_wq,
-                    Tensor o_wq, Tensor gate_up_wq, Tensor down_wq, at::IntArrayRef qtypes, Tensor cos, Tensor sin,
+                    Tensor o_wq, Tensor gate_up_wq, Tensor down_wq, at::IntArrayRef qtypes, at::IntArrayRef rows,
+                    bool int8_activations, Tensor cos, Tensor sin,
                     int64_t num_heads, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, Tensor block_tables,
                     Tensor seq_lens, Tensor query_start_loc, int64_t block_size, double scale, int64_t q_tile,
                     OptTensor k_scale, OptTensor v_scale) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer runs one token: h must be [1, E], got ", h.sizes());
-  TORCH_CHECK(qtypes.size() == 4, "qtypes must give the formats of qkv, o, gate_up and down");
+  TORCH_CHECK(qtypes.size() == 4 && rows.size() == 4, "qtypes and rows must give the formats and output sizes of "
+              "qkv, o, gate_up and down");
   static const auto norm = op<Tensor(Tensor, OptTensor, Tensor, double)>("pagedllm::add_rms_norm");
   static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
+  static const auto gemv_a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
   static const auto rope = op<void(Tensor, Tensor, Tensor, int64_t)>("pagedllm::rope");
   static const auto attend = op<Tensor(Tensor, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
                                        double, int64_t, OptTensor, OptTensor)>("pagedllm::attend_qkv");
   static const auto silu_mul = op<Tensor(Tensor)>("pagedllm::silu_mul");
+  auto linear = [&](const Tensor& x, const Tensor& w, size_t i) {
+    return int8_activations ? gemv_a8.call(x, w, qtypes[i], rows[i], std::nullopt)
+                            : gemv.call(x, w, qtypes[i], std::nullopt);
+  };
   const int64_t num_kv_heads = k_cache.size(0);
   Tensor x = norm.call(h, delta, input_norm, eps);
-  Tensor qkv = gemv.call(x, qkv_wq, qtypes[0], std::nullopt);
+  Tensor qkv = linear(x, qkv_wq, 0);
   rope.call(qkv, cos, sin, num_heads + num_kv_heads);
   Tensor attn = attend.call(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
                             block_size, scale, q_tile, k_scale, v_scale);
-  Tensor o = gemv.call(attn, o_wq, qtypes[1], std::nullopt);
+  Tensor o = linear(attn, o_wq, 1);
   x = norm.call(h, o, post_norm, eps);
-  Tensor act = silu_mul.call(gemv.call(x, gate_up_wq, qtypes[2], std::nullopt));
-  return gemv.call(act, down_wq, qtypes[3], std::nullopt);
+  return linear(silu_mul.call(linear(x, gate_up_wq, 2)), down_wq, 3);
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.set_python_module("pagedllm.ops.fake");
   m.def("decode_layer(Tensor(a!) h, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_wq, "
-        "Tensor o_wq, Tensor gate_up_wq, Tensor down_wq, int[] qtypes, Tensor cos, Tensor sin, int num_heads, "
+        "Tensor o_wq, Tensor gate_up_wq, Tensor down_wq, int[] qtypes, int[] rows, bool int8_activations, Tensor cos, "
+        "Tensor sin, int num_heads, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int block_size, float scale, int q_tile, Tensor(d!)? k_scale=None, "
         "Tensor(e!)? v_scale=None) -> Tensor");
