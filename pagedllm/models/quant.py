@@ -5,7 +5,9 @@ as Q8_0 (8.5 bits): 96 MB instead of 540 MB of fp32. Decoding is a stream over t
 reading the blocks and widening them in the kernel (``ops/csrc/gemm.cpp``) instead of reading
 fp32 makes the few-row GEMMs of decode steps faster. The kernel dequantizes to exactly the fp32
 values the loader's ``gguf.quants.dequantize`` produces and runs the fp32 path's register tiles on
-them, so outputs are bit-identical to the fp32 model at every batch size.
+them, so outputs are bit-identical to the fp32 model from two rows up. One row (batch-1 decode) goes to
+``ops/csrc/gemv.cpp``, which factors the block scales out of the dot products: the same values and fp32 arithmetic
+summed in another order, ~1.1-1.7x less CPU time (``PAGEDLLM_BITWISE_GEMV=1``: gemm.cpp's bit-exact path).
 
 ``quantization="gguf-a8"`` trades that exactness for speed the way llama.cpp (and vLLM's GGUF kernels)
 do: activations are rounded to int8 per 32-value block and the dot products run on integer SIMD
