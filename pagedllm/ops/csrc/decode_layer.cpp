@@ -3,10 +3,11 @@
 //   -> GEMV (down)
 // with the GEMVs of quantization="gguf" (quant_gemv) or "gguf-a8" (linear_a8_packed), called from C++ through the
 // dispatcher, so the results are those of the separate ops, bit for bit.
-// At batch 1 the kernels of a layer take ~0.4 ms of CPU on SmolLM2-135M, and the Python between them (argument
-// checks, wrappers, nine trips through torch.ops with their argument parsing) was a further ~0.1 ms: a third of
-// a step's CPU time outside the GEMVs. The other libraries (fused_ops, gemv, paged_attention) must be loaded
-// before the first call (pagedllm/models/decode_layer.py checks).
+// At batch 1 the kernels of a layer take ~0.4 ms of CPU on SmolLM2-135M; the Python between them (argument checks,
+// wrappers, nine trips through torch.ops with their argument parsing) took a further ~0.07 ms (2.1 ms of a token's
+// CPU over 30 layers, measured). The other libraries (fused_ops, paged_attention) must be loaded
+// before the first call, and the GEMVs' (gemv or quant_a8) before the first call in that format
+// (pagedllm/models/decode_layer.py checks).
 #include "ops_common.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,15 +37,17 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
   TORCH_CHECK(qtypes.size() == 4 && rows.size() == 4, "qtypes and rows must give the formats and output sizes of "
               "qkv, o, gate_up and down");
   static const auto norm = op<Tensor(Tensor, OptTensor, Tensor, double)>("pagedllm::add_rms_norm");
-  static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
-  static const auto gemv_a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
   static const auto rope = op<void(Tensor, Tensor, Tensor, int64_t)>("pagedllm::rope");
   static const auto attend = op<Tensor(Tensor, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
                                        double, int64_t, OptTensor, OptTensor)>("pagedllm::attend_qkv");
   static const auto silu_mul = op<Tensor(Tensor)>("pagedllm::silu_mul");
-  auto linear = [&](const Tensor& x, const Tensor& w, size_t i) {
-    return int8_activations ? gemv_a8.call(x, w, qtypes[i], rows[i], std::nullopt)
-                            : gemv.call(x, w, qtypes[i], std::nullopt);
+  auto linear = [&](const Tensor& x, const Tensor& w, size_t i) {  // looked up on first use: one format's library
+    if (int8_activations) {
+      static const auto a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
+      return a8.call(x, w, qtypes[i], rows[i], std::nullopt);
+    }
+    static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
+    return gemv.call(x, w, qtypes[i], std::nullopt);
   };
   const int64_t num_kv_heads = k_cache.size(0);
   Tensor x = norm.call(h, delta, input_norm, eps);
