@@ -76,3 +76,32 @@ def test_fused_layer_applies_only_where_the_per_op_path_calls_the_same_ops(smol,
     monkeypatch.undo()
     monkeypatch.setattr(fused.quant, "FACTORED_GEMV", False)  # the bit-exact GEMVs: the per-op path
     assert not fused.fused_layer_applies(layer, one, cpu)
+
+
+FRESH_A8 = """
+from pagedllm import LLM, SamplingParams
+from pagedllm.ops import build
+from pagedllm.models import decode_layer
+calls = []
+real = decode_layer.decode_layer
+import pagedllm.models.llama as llama
+llama.decode_layer = lambda *a, **k: calls.append(1) or real(*a, **k)
+llm = LLM(quantization="gguf-a8", dtype="float32", num_blocks=16)
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                   use_tqdm=False)[0].outputs[0]
+layers = llm.engine.forward_pass.model.config.num_layers
+assert len(out.token_ids) == 3 and len(calls) == 2 * layers, (out, len(calls))  # every layer of both decode steps
+assert "pagedllm_gemv" not in build._built, sorted(build._built)
+"""
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_gguf_a8_alone_runs_the_fused_layer_without_the_gemv_library():
+    """A process that only ever runs gguf-a8 never loads gemv.cpp's library: the fused layer must not need it (it
+    looked every GEMV op up at its first call and failed there)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", FRESH_A8], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
