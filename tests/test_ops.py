@@ -62,6 +62,8 @@ def _cases() -> list[tuple[str, tuple, dict]]:
         ("quant_linear", (x, q4, Q4_1, None), {}),
         ("quant_linear", (x, q8, Q8_0, torch.randn(9, generator=g)), {}),
         ("dequantize", (q8, Q8_0, 64), {}),
+        ("quant_gemv", (x[:1], q4, Q4_1, torch.randn(9, generator=g)), {}),
+        ("quant_gemv", (x[:1], q8, Q8_0, None), {}),
         ("add_rms_norm", (torch.randn(3, 24, generator=g), torch.randn(3, 24, generator=g), torch.randn(24), 1e-5), {}),
         ("add_rms_norm", (torch.randn(3, 24, generator=g), None, torch.randn(24), 1e-5), {}),
         ("rope", (torch.randn(3, 4, 16, generator=g), torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)),
@@ -77,6 +79,14 @@ def _cases() -> list[tuple[str, tuple, dict]]:
                        torch.randn(2, 2, 4, 12, generator=g), [torch.randn(2, 4, 8), torch.randn(2, 4, 5)], [0, 9],
                        torch.tensor([1, -1, 0])), {}),
     ]
+    d = make_random_batch([1], [9], num_kv_heads=2, group=2, head_dim=16, spare_blocks=2)  # one decode token
+    dm = d.meta
+    out.append(("decode_layer", (torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g), torch.rand(64),
+                                 torch.rand(64), 1e-5, _blocks(Q4_1, 128, 64), _blocks(Q8_0, 64, 64),
+                                 _blocks(Q4_1, 256, 64), _blocks(Q4_1, 64, 128), [Q4_1, Q8_0, Q4_1, Q4_1],
+                                 [128, 64, 256, 64], False, torch.randn(1, 8, generator=g),
+                                 torch.randn(1, 8, generator=g), 4, d.k_cache, d.v_cache, dm.slot_mapping,
+                                 dm.block_tables, dm.seq_lens, dm.query_start_loc, dm.block_size, d.scale, 4), {}))
     return out
 
 
@@ -104,8 +114,9 @@ def test_mutations_are_declared_in_the_schemas():
     assert writes["write_kv"] == writes["attend_qkv"] == ["k_cache", "v_cache", "k_scale", "v_scale"]
     assert writes["paged_attention_out"] == ["out"]
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
+    assert writes["decode_layer"] == ["h", "k_cache", "v_cache", "k_scale", "v_scale"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
-                                                              "add_rms_norm", "rope", "lora_bgmv"))
+                                                              "add_rms_norm", "rope", "lora_bgmv", "decode_layer"))
 
 
 def _layer(h, delta, norm_w, qkv_w, cos, sin, k_cache, v_cache, slots, tables, seq_lens, qsl, num_heads: int,

@@ -39,6 +39,7 @@ BENCHES = {
     "steptime": "host time of a decode step by part: schedule, worker prep, forward, sampler, detokenize",
     "threads": "batch-1 decode quiet and with a busy process on one core: spin 1000 / 100 / adaptive threads",
     "roofline": "measured bandwidth and peak GEMMs (fp32/bf16/int8): the batch-1 and W1 floors per weight format",
+    "batch1": "batch-1 decode, wall and CPU ms/token: each path of ours vs the one it replaced vs llama.cpp",
 }
 
 

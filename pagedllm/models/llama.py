@@ -18,17 +18,14 @@ import torch.nn.functional as F
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
+from pagedllm.models.decode_layer import decode_layer, fused_layer_applies
 from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, linear, rms_norm, rope_cos_sin,
                                     silu_mul)
-from pagedllm.models.quant import QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks
+from pagedllm.models.quant import MATRICES, QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks
 
 if TYPE_CHECKING:
     from pagedllm.distributed.parallel_state import TPGroup
     from pagedllm.lora.delta import LoRAStep
-
-
-# the weight matrices of a decoder layer (dense tensors or GGUF blocks)
-MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -68,6 +65,8 @@ class LlamaDecoderLayer(nn.Module):
         here in the next layer's input norm or the final norm. ``lora``: each token's adapter delta is added
         to the q/k/v, o, gate/up and down outputs (before rope and the activation).
         """
+        if lora is None and fused_layer_applies(self, h, backend):  # batch 1: one C++ call, the same ops
+            return decode_layer(self, h, delta, cos, sin, k_cache, v_cache, meta, backend, scale)
         up = self.upcast
         T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim

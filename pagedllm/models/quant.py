@@ -5,7 +5,9 @@ as Q8_0 (8.5 bits): 96 MB instead of 540 MB of fp32. Decoding is a stream over t
 reading the blocks and widening them in the kernel (``ops/csrc/gemm.cpp``) instead of reading
 fp32 makes the few-row GEMMs of decode steps faster. The kernel dequantizes to exactly the fp32
 values the loader's ``gguf.quants.dequantize`` produces and runs the fp32 path's register tiles on
-them, so outputs are bit-identical to the fp32 model at every batch size.
+them, so outputs are bit-identical to the fp32 model from two rows up. One row (batch-1 decode) goes to
+``ops/csrc/gemv.cpp``, which factors the block scales out of the dot products: the same values and fp32 arithmetic
+summed in another order, ~1.1-1.7x less CPU time (``PAGEDLLM_BITWISE_GEMV=1``: gemm.cpp's bit-exact path).
 
 ``quantization="gguf-a8"`` trades that exactness for speed the way llama.cpp (and vLLM's GGUF kernels)
 do: activations are rounded to int8 per 32-value block and the dot products run on integer SIMD
@@ -15,6 +17,7 @@ the fp32 model by the activation rounding (~0.5% per output; perplexity within ~
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +28,11 @@ from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, QUANT_NAMES
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
 QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8")
+# the weight matrices of a decoder layer (dense tensors or GGUF blocks)
+MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+# batch-1 GEMVs through ops/csrc/gemv.cpp (block scales factored out: 1.1-1.5x less CPU time, fp32 rounding apart
+# from gemm.cpp's result); PAGEDLLM_BITWISE_GEMV=1 keeps them on gemm.cpp, bit-identical to the dense fp32 kernel
+FACTORED_GEMV = os.environ.get("PAGEDLLM_BITWISE_GEMV") != "1"
 
 
 @dataclass
@@ -153,4 +161,6 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None
         return y.to(x.dtype)
     x = x.float().contiguous()
     require_kernel()
+    if x.shape[0] == 1 and FACTORED_GEMV and ops.load("gemv"):
+        return torch.ops.pagedllm.quant_gemv.default(x, w.data, w.qtype, b)
     return torch.ops.pagedllm.quant_linear.default(x, w.data, w.qtype, b)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
 from pagedllm import ops
-from pagedllm.models import layers
+from pagedllm.models import layers, quant
 from pagedllm.models.quant import QuantizedWeight, kernel_available
 
 kernel = torch.ops.pagedllm if ops.load("gemm") else None
@@ -41,8 +41,10 @@ def test_dequantize_matches_gguf_exactly(qtype, n, k):
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16, 64, 200])  # the dot-product tiles below 16 rows, panels above
 @pytest.mark.parametrize("n,k", [(7, 64), (192, 576), (13, 1536)])
-def test_quant_linear_is_bit_identical_to_the_fp32_kernel(qtype, m, n, k):
-    """Same register tiles over exactly dequantized weights: equal bits, with and without bias."""
+def test_quant_linear_is_bit_identical_to_the_fp32_kernel(monkeypatch, qtype, m, n, k):
+    """Same register tiles over exactly dequantized weights: equal bits, with and without bias (one row
+    goes to gemv.cpp unless PAGEDLLM_BITWISE_GEMV=1: tests/models/test_gemv.py)."""
+    monkeypatch.setattr(quant, "FACTORED_GEMV", False)
     qw, dense = make_weight(qtype, n, k, seed=m * 7 + n)
     g = torch.Generator().manual_seed(m + n + k)
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)

@@ -1,0 +1,139 @@
+// y[1, N] = x[1, K] @ W[N, K]^T (+ bias) in fp32 for W in GGUF Q4_1 / Q8_0 blocks: the batch-1 decode GEMV.
+//
+// gemm.cpp dequantizes each weight (w = d q + m, one FMA) before multiplying it by x (another FMA), so that its
+// result is bit-identical to the dense fp32 kernel. At one row that is compute-bound (~7.5 cycles per Q4_1 block
+// on the Zen 3 core, 8 GB/s per core, well under the memory bandwidth), and the Q8_0 LM head went through a
+// dequantization buffer. Here the block scales are factored out of the block's dot product:
+//   Q4_1: y = sum_b d_b (x_b . q_b) + m_b (sum x_b)        Q8_0: y = sum_b d_b (x_b . q_b)
+// with q_b the block's integer codes (exact in fp32) and sum x_b taken once per call for all N rows. The same
+// weight values and fp32 arithmetic, summed in another order: the result differs from gemm.cpp's by fp32
+// rounding only (relative ~1e-6, like any two fp32 GEMMs, e.g. ours and MKL's), not by an approximation of x
+// (gguf-a8's int8 rounding is ~1e-2). Per block: one FMA per 8 weights and two per block instead of two per 8.
+#include "ops_common.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using namespace pagedllm_ops;  // hsum8, the GGUF blocks and their checks
+
+// Rows of W per tile: 4 for Q4_1 rows under LONG_ROW columns (8 independent accumulators keep both FMA pipes busy
+// on short rows), else 1: one sequential stream per thread, which measured faster on long rows (SmolLM2's down
+// projection, K = 1536: 1.4x) and on the Q8_0 LM head (1.5x; 4 or 8 rows were slower than gemm.cpp's buffer).
+constexpr int64_t NR = 4, LONG_ROW = 1024;
+
+// 8 int8 codes at p -> fp32 (Q8_0); 8 bytes of nibbles -> their low / high nibbles as fp32 (Q4_1)
+[[gnu::always_inline]] inline __m256 codes_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Q4_1 tile: NR rows of blocks against x; xs[8 b + l] = lane l of block b's sum (x[32b + l] + ... + x[32b + 24 + l])
+template <int R>
+[[gnu::noinline]] void tile_q4_1(const float* x, const float* xs, int64_t kb, const BlockQ4_1* w, float* y,
+                                 const float* bias) {
+  __m256 acc[R], macc[R];
+#pragma GCC unroll 8
+  for (int j = 0; j < R; ++j) acc[j] = macc[j] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < kb; ++b) {
+    const float* xb = x + 32 * b;
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      const BlockQ4_1& blk = w[j * kb + b];
+      const __m128 dm = _mm_cvtph_ps(_mm_loadu_si32(&blk));  // d, m
+      // byte i of the 16 holds weight i (low nibble) and weight 16 + i (high nibble)
+      const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs)));
+      const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8)));
+      __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_cvtepi32_ps(_mm256_and_si256(q0, mask)));
+      __m256 u = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), _mm256_cvtepi32_ps(_mm256_and_si256(q1, mask)));
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), t);
+      u = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), u);
+      acc[j] = _mm256_fmadd_ps(_mm256_add_ps(t, u), _mm256_broadcastss_ps(dm), acc[j]);
+      macc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 8 * b), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)), macc[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < R; ++j) y[j] = hsum8(_mm256_add_ps(acc[j], macc[j])) + (bias ? bias[j] : 0.f);
+}
+
+template <int R>
+[[gnu::noinline]] void tile_q8_0(const float* x, const float*, int64_t kb, const BlockQ8_0* w, float* y,
+                                 const float* bias) {
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    const float* xb = x + 32 * b;
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      const BlockQ8_0& blk = w[j * kb + b];
+      __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), codes_i8(blk.qs));
+      __m256 u = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), codes_i8(blk.qs + 8));
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), codes_i8(blk.qs + 16), t);
+      u = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), codes_i8(blk.qs + 24), u);
+      acc[j] = _mm256_fmadd_ps(_mm256_add_ps(t, u), _mm256_set1_ps(_cvtsh_ss(blk.d)), acc[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < R; ++j) y[j] = hsum8(acc[j]) + (bias ? bias[j] : 0.f);
+}
+
+template <typename B>
+[[gnu::always_inline]] inline void tile(const float* x, const float* xs, int64_t kb, const B* w, int64_t nr, float* y,
+                                        const float* bias) {
+  if constexpr (std::is_same_v<B, BlockQ4_1>) {
+    if (nr == NR) return tile_q4_1<NR>(x, xs, kb, w, y, bias);
+    for (int64_t r = 0; r < nr; ++r) tile_q4_1<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
+  } else {
+    for (int64_t r = 0; r < nr; ++r) tile_q8_0<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
+  }
+}
+
+// Each thread takes a contiguous range of tiles of W (one parallel region per call, as gemm.cpp).
+template <typename B>
+void gemv(const float* x, const B* w, const float* bias, float* y, int64_t N, int64_t K) {
+  const int64_t rows = std::is_same_v<B, BlockQ4_1> && K < LONG_ROW ? NR : 1;  // per tile
+  const int64_t kb = K / 32, tiles = (N + rows - 1) / rows;
+  std::vector<float> xs(std::is_same_v<B, BlockQ4_1> ? 8 * kb : 0);
+  for (int64_t b = 0; b < static_cast<int64_t>(xs.size()) / 8; ++b) {
+    const float* xb = x + 32 * b;
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+    _mm256_storeu_ps(xs.data() + 8 * b, s);
+  }
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n = t * rows;
+    tile(x, xs.data(), kb, w + n * kb, std::min<int64_t>(rows, N - n), y + n, bias ? bias + n : nullptr);
+  }
+}
+
+}  // namespace
+
+// x: [1, K] float32 contiguous; wq: [N, K / 32 * block bytes] uint8 rows of GGUF blocks of type qtype.
+torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor wq, int64_t qtype, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be one contiguous float32 row [1, K], got ", x.sizes(), " ", x.scalar_type());
+  const int64_t K = x.size(1), N = check_blocks(wq, qtype, K);
+  torch::Tensor b;
+  const float* bp = bias_ptr(bias, N, b);
+  auto y = torch::empty({1, N}, x.options());
+  if (qtype == BlockQ4_1::kType)
+    gemv(x.data_ptr<float>(), reinterpret_cast<const BlockQ4_1*>(wq.data_ptr<uint8_t>()), bp, y.data_ptr<float>(), N, K);
+  else
+    gemv(x.data_ptr<float>(), reinterpret_cast<const BlockQ8_0*>(wq.data_ptr<uint8_t>()), bp, y.data_ptr<float>(), N, K);
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.set_python_module("pagedllm.ops.fake");
+  m.def("quant_gemv(Tensor x, Tensor wq, int qtype, Tensor? bias=None) -> Tensor");  // one row, scales factored out
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("quant_gemv", &quant_gemv); }
