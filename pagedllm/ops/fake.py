@@ -61,9 +61,9 @@ def _quant_linear(x, wq, qtype, bias=None) -> torch.Tensor:
 
 
 @_fake("decode_layer", "decode_layer")
-def _decode_layer(h, delta, input_norm, post_norm, eps, qkv_wq, o_wq, gate_up_wq, down_wq, qtypes, rows, int8_activations,
-                  cos, sin, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, block_size, scale, q_tile,
-                  k_scale=None, v_scale=None) -> torch.Tensor:
+def _decode_layer(h, delta, input_norm, post_norm, eps, qkv_wq, o_wq, gate_up_wq, down_wq, qtypes, rows,
+                  int8_activations, cos, sin, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                  query_start_loc, block_size, scale, q_tile, k_scale=None, v_scale=None) -> torch.Tensor:
     return h.new_empty(h.shape)
 
 
