@@ -20,7 +20,6 @@ from pagedllm.models import quant
 from pagedllm.models.quant import MATRICES, QuantizedWeight
 
 FUSED = os.environ.get("PAGEDLLM_UNFUSED_DECODE") != "1"
-KERNELS = ("decode_layer", "fused_ops", "paged_attention")
 
 
 def fused_layer_applies(layer: nn.Module, h: torch.Tensor, backend) -> bool:
@@ -40,7 +39,7 @@ def fused_layer_applies(layer: nn.Module, h: torch.Tensor, backend) -> bool:
         gemv = "gemv"
     else:
         return False
-    return all(ops.load(k) for k in (*KERNELS, gemv))
+    return bool(ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv))
 
 
 def decode_layer(layer: nn.Module, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
