@@ -11,7 +11,8 @@ from pagedllm.models import decode_layer as fused
 from pagedllm.models import llama
 from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 
-needs_kernels = pytest.mark.skipif(not all(ops.load(k) for k in ("decode_layer", "fused_ops", "paged_attention", "gemv")),
+KERNELS = ("decode_layer", "fused_ops", "paged_attention", "gemv")
+needs_kernels = pytest.mark.skipif(not all(ops.load(k) for k in KERNELS),
                                    reason="the AVX2 C++ kernels could not be built on this machine")
 
 
