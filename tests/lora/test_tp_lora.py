@@ -4,6 +4,8 @@ and to HF + PEFT (fp32), with the pool's invariants held on the way."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ from pagedllm.lora.adapter import GROUPS, LoRAAdapter, LoRAShapes, LoRALoadError
 from pagedllm.lora.pages import pack, unpack
 from pagedllm.lora.sharding import AdapterShard
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.sharding import ShardPlan
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.sharding import ShardPlan, shard_model
 from pagedllm.protocol.lora_request import LoRARequest
 from tests.lora.conftest import peft_greedy
 
@@ -26,8 +29,25 @@ def group_delta(packed, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x @ a[t].double().t() @ b.double() for t, b in enumerate(bs)], dim=1)
 
 
+def base_shard_index(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Which fused output rows (qkv, gate_up) and input columns (o, down) the base model's shard of ``rank`` keeps
+    (``models.sharding.shard_model`` on weights holding their own row / column numbers): the adapter's oracle."""
+    model = LlamaForCausalLM(cfg)
+    layer = model.layers[0]
+    with torch.no_grad():
+        for name in ("qkv_weight", "gate_up_weight"):
+            getattr(layer, name)[:, 0] = torch.arange(getattr(layer, name).shape[0])
+        for name in ("o_weight", "down_weight"):
+            getattr(layer, name)[0] = torch.arange(getattr(layer, name).shape[1])
+    layer = shard_model(model, SimpleNamespace(rank=rank, world_size=world_size)).layers[0]
+    return {"qkv": layer.qkv_weight[:, 0].long(), "gate_up": layer.gate_up_weight[:, 0].long(),
+            "o": layer.o_weight[0].long(), "down": layer.down_weight[0].long()}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])  # 4 > the 2 KV heads: each rank holds one replicated KV head
 def test_shards_add_up_to_the_whole_delta(world_size):
+    """Column-parallel: a rank's delta is the whole delta's rows its base shard keeps; row-parallel: the ranks'
+    partial deltas, each over the input columns its base shard keeps, sum to the whole (the all-reduce)."""
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)
     full = LoRAShapes.of(cfg)
@@ -39,21 +59,17 @@ def test_shards_add_up_to_the_whole_delta(world_size):
     whole = unpack(flat, full, rank)
     shards = [AdapterShard.of(full, ShardPlan.of(cfg, r, world_size), cfg.head_dim) for r in range(world_size)]
     parts = [unpack(s.take(flat, rank), s.shapes, rank) for s in shards]
+    base = [base_shard_index(cfg, r, world_size) for r in range(world_size)]
     x = torch.randn(5, 128, dtype=torch.float64)
     for layer in range(2):
         for g, targets in GROUPS.items():
             cols = full.shapes[targets[0]][1]
             want = group_delta(whole[layer][g], x[:, :cols])
-            starts = [sum(full.shapes[u][0] for u in targets[:j]) for j in range(len(targets))]
-            if g in ("qkv", "gate_up"):  # column-parallel: each rank's outputs are its rows of the whole delta
-                for s, p in zip(shards, parts):
-                    rows = torch.cat([torch.arange(o + s.outputs[t].start, o + s.outputs[t].stop)
-                                      for o, t in zip(starts, targets)])
-                    torch.testing.assert_close(group_delta(p[layer][g], x[:, :cols]), want[:, rows])
-            else:  # row-parallel: each rank sees its input columns; the partial deltas sum (the all-reduce)
-                ins = [s.inputs[targets[0]] for s in shards]
-                got = sum(group_delta(p[layer][g], x[:, i.start:i.stop]) for i, p in zip(ins, parts))
-                torch.testing.assert_close(got, want)
+            if g in ("qkv", "gate_up"):
+                for b, p in zip(base, parts):
+                    torch.testing.assert_close(group_delta(p[layer][g], x[:, :cols]), want[:, b[g]])
+            else:
+                torch.testing.assert_close(sum(group_delta(p[layer][g], x[:, b[g]]) for b, p in zip(base, parts)), want)
     assert all(s.shapes == shards[0].shapes for s in shards)  # the core counts one rank's pages for all
 
 
