@@ -71,6 +71,8 @@ def test_shards_add_up_to_the_whole_delta(world_size):
             else:
                 torch.testing.assert_close(sum(group_delta(p[layer][g], x[:, b[g]]) for b, p in zip(base, parts)), want)
     assert all(s.shapes == shards[0].shapes for s in shards)  # the core counts one rank's pages for all
+    half = shards[-1].take(pack(adapter, full, torch.bfloat16), rank)  # bf16 pages are cut the same way
+    assert half.dtype == torch.bfloat16 and torch.equal(half, shards[-1].take(flat, rank).bfloat16())
 
 
 def test_tp2_mixed_batch_equals_tp1_and_peft(tiny_model_dir, tiny_hf, tiny_adapters, bad_adapters):
