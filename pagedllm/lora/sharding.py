@@ -31,7 +31,7 @@ class AdapterShard:
     inputs: dict[str, range]
 
     @classmethod
-    def of(cls, full: LoRAShapes, plan, head_dim: int) -> "AdapterShard":
+    def of(cls, full: LoRAShapes, plan, head_dim: int) -> AdapterShard:
         """The shard of ``plan`` (a ``models.sharding.ShardPlan``: the rank's q heads, KV heads and features)."""
         q = range(plan.q_heads.start * head_dim, plan.q_heads.stop * head_dim)
         kv = range(plan.kv_heads.start * head_dim, plan.kv_heads.stop * head_dim)
