@@ -15,6 +15,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.lora.adapter import LoRAShapes
 from pagedllm.lora.delta import LoRAStep
 from pagedllm.lora.pages import packed_bytes
+from pagedllm.lora.sharding import AdapterShard
 from pagedllm.lora.slots import LoRASlots
 from pagedllm.protocol.lora_request import AdapterPages
 
@@ -22,7 +23,9 @@ from pagedllm.protocol.lora_request import AdapterPages
 class LoRAManager:
     def __init__(self, shapes: LoRAShapes, max_loras: int, max_rank: int, kv_cache: KVCache,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 pages_dtype: torch.dtype = torch.float32) -> None:
+                 pages_dtype: torch.dtype = torch.float32, shard: AdapterShard | None = None) -> None:
+        """``shard``: this tensor-parallel rank's part of each adapter (``shapes`` are then ``shard.shapes``)."""
+        self.shard = shard
         self.shapes, self.max_rank, self.dtype, self.kv_cache = shapes, max_rank, dtype, kv_cache
         self.pages_dtype = pages_dtype  # what the core packed adapters in (``lora.pages.page_dtype``)
         self.slots = LoRASlots(shapes, max_loras, max_rank, dtype, device)
@@ -34,7 +37,8 @@ class LoRAManager:
     def store(self, ap: AdapterPages) -> None:
         """Write an adapter the core made resident into its pages (a slot holding an older copy is dropped)."""
         self._drop_slot(ap.lora_id)
-        self.kv_cache.write_pages(ap.pages, ap.payload)
+        payload = ap.payload if self.shard is None else self.shard.take(ap.payload, ap.rank)
+        self.kv_cache.write_pages(ap.pages, payload)
         self.pages[ap.lora_id] = (list(ap.pages), ap.rank)
 
     def _drop_slot(self, lora_id: int) -> None:

@@ -39,7 +39,11 @@ class AdapterPager:
     """Which adapters hold pages, which are being read, and what the worker must store next step."""
 
     def __init__(self, kv: KVCacheManager, shapes: LoRAShapes, max_rank: int, page_bytes: int,
-                 max_cpu_loras: int = 1, dtype: torch.dtype = torch.float32) -> None:
+                 max_cpu_loras: int = 1, dtype: torch.dtype = torch.float32,
+                 page_shapes: LoRAShapes | None = None) -> None:
+        """``page_shapes``: what each worker pages of an adapter of ``shapes`` (one tensor-parallel rank's shard,
+        ``lora.sharding``; default all of it): the core packs adapters whole and counts pages of those."""
+        self.page_shapes = page_shapes or shapes
         self.kv, self.shapes, self.max_rank, self.page_bytes = kv, shapes, max_rank, page_bytes
         self.dtype = dtype  # adapters are packed in it (``lora.pages.page_dtype`` of the model's dtype)
         self.max_cpu_loras = max(max_cpu_loras, 1)
@@ -57,7 +61,8 @@ class AdapterPager:
         if not args.enable_lora:
             return None
         return cls(kv, shapes_for_model(args.model), args.max_lora_rank, spec.kv_pool["page_bytes"],
-                   args.max_cpu_loras or args.max_loras, page_dtype(spec.dtype))
+                   args.max_cpu_loras or args.max_loras, page_dtype(spec.dtype),
+                   shapes_for_model(args.model, args.tensor_parallel_size))
 
     def read(self, lora: LoRARequest) -> tuple[int, torch.Tensor]:
         """Read, check and pack ``lora`` (runs in the loader thread; tests replace it to gate a load)."""
@@ -65,7 +70,7 @@ class AdapterPager:
         return adapter.rank, pack(adapter, self.shapes, self.dtype)
 
     def pages_for(self, rank: int) -> int:
-        return -(-packed_bytes(self.shapes, rank, self.dtype) // self.page_bytes)
+        return -(-packed_bytes(self.page_shapes, rank, self.dtype) // self.page_bytes)
 
     def ready(self, lora: LoRARequest, busy: set[int]) -> bool:
         """Whether a request for ``lora`` can run this step: its adapter holds pages (made so now if it was

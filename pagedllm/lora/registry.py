@@ -7,18 +7,24 @@ import itertools
 import threading
 
 from pagedllm.lora.adapter import LoRALoadError, LoRAShapes, load_adapter
+from pagedllm.lora.sharding import AdapterShard
 from pagedllm.protocol.lora_request import LoRARequest
 
 
-def shapes_for_model(model: str | None) -> LoRAShapes:
-    """The dimensions adapters of ``model`` (an engine's ``EngineArgs.model``) must have; reads only its config."""
+def shapes_for_model(model: str | None, tensor_parallel_size: int = 1) -> LoRAShapes:
+    """The dimensions adapters of ``model`` (an engine's ``EngineArgs.model``) must have; reads only its config.
+    With ``tensor_parallel_size`` N > 1: those of one rank's shard (``lora.sharding``; the same on every rank)."""
     from transformers import AutoConfig
 
     from pagedllm.models.config import ModelConfig
     from pagedllm.models.loader import resolve_model_dir
 
-    return LoRAShapes.of(ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_dir(model),
-                                                                        local_files_only=True)))
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_dir(model), local_files_only=True))
+    if tensor_parallel_size == 1:
+        return LoRAShapes.of(cfg)
+    from pagedllm.models.sharding import ShardPlan
+
+    return AdapterShard.of(LoRAShapes.of(cfg), ShardPlan.of(cfg, 0, tensor_parallel_size), cfg.head_dim).shapes
 
 
 def parse_lora_modules(specs) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from pagedllm.kv.kv_cache import KVCache
 from pagedllm.lora.adapter import LoRAShapes
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.pages import page_dtype
+from pagedllm.lora.sharding import AdapterShard
 from pagedllm.lora.slots import LoRASlots
 from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 from pagedllm.models.llama import LlamaForCausalLM
@@ -82,9 +83,12 @@ class Worker:
             num_blocks = KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
         lora = None
         if args.enable_lora:  # the adapters' slots come out of the KV cache's budget (whole blocks of it)
-            if tp is not None:
-                raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
-            shapes = LoRAShapes.of(cfg)
+            shapes, shard = LoRAShapes.of(cfg), None
+            if tp is not None:  # this rank pages and computes its shard of each adapter, cut like its base weights
+                from pagedllm.models.sharding import ShardPlan
+
+                shard = AdapterShard.of(shapes, ShardPlan.of(cfg, tp.rank, tp.world_size), cfg.head_dim)
+                shapes = shard.shapes
             lora_bytes = LoRASlots.bytes_for(shapes, args.max_loras, args.max_lora_rank, model.act_dtype)
             if args.num_blocks is None:
                 num_blocks -= -(-lora_bytes // KVCache.bytes_per_block(*dims))
@@ -99,7 +103,7 @@ class Worker:
         self.forward_pass.threads = cpu_threads.governor_for(args.cpu_thread_policy, self.device, tp is not None)
         if args.enable_lora:  # resident adapters live in KV pages; the compute slots were taken from the budget
             lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, self.kv_cache, model.act_dtype, self.device,
-                               page_dtype(dtype))
+                               page_dtype(dtype), shard)
         graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
         if graphs is not None:
             num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
