@@ -119,6 +119,9 @@ def serve_round(system: str, args, cfg: dict, dtype: str, vllm_py: str | None, l
             results, wall = asyncio.run(drive(url, SERVED_NAME, reqs, arrivals))
             out.append({"system": system, "rate": cfg["rates"][k], "load": os.getloadavg()[0],
                         **summarize(results, wall, {})})
+            a = out[-1]["all"]
+            print(f"  {cfg['rates'][k]} req/s: {out[-1]['tok_s']:.1f} out tok/s, TTFT p50 {a['ttft_p50'] or 0:.0f} ms, "
+                  f"p99 {a['ttft_p99'] or 0:.0f} ms, {out[-1]['failed']} failed", file=sys.stderr, flush=True)
     finally:
         stop_server(proc)
     return out
