@@ -80,3 +80,48 @@ def test_report_means_rounds_and_divides_ours_by_vllms():
     assert rep.result["ratios"]["2.0"]["ttft_p50"] == 0.5  # 75 ms vs 150 ms
     assert any("round 2: not run: server exited" in n for n in rep.notes)
     assert [t.title for t in rep.tables][1].startswith("pagedllm / vLLM")
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _stream(handler, max_tokens: int) -> dict:
+    import asyncio
+
+    import httpx
+
+    from pagedllm.bench.serve_http import stream_one
+    from pagedllm.bench.workloads import BenchRequest
+
+    async def go() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream_one(client, "http://srv/v1/completions", "m", BenchRequest([1, 2, 3], max_tokens, "x"))
+
+    return asyncio.run(go())
+
+
+def test_stream_one_times_text_chunks_and_counts_the_servers_tokens():
+    import httpx
+
+    sent = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.update(json.loads(request.content))
+        text = [{"choices": [{"text": t}]} for t in ("a", "", "b", "c")]
+        return httpx.Response(200, content=_sse(*text, {"choices": [], "usage": {"completion_tokens": 3}}))
+
+    r = _stream(handler, 3)
+    assert sent["stream"] and sent["ignore_eos"] and sent["stream_options"] == {"include_usage": True}
+    assert sent["prompt"] == [1, 2, 3] and sent["max_tokens"] == 3
+    assert r["error"] is None and r["tokens"] == 3 and r["ttft"] >= 0
+    assert len(r["itl"]) == 2  # three text chunks; the empty one is no token gap
+
+
+def test_stream_one_reports_refusals_and_short_streams_as_failures():
+    import httpx
+
+    r = _stream(lambda req: httpx.Response(400, json={"error": {"message": "bad max_tokens"}}), 3)
+    assert r["error"].startswith("HTTP 400") and "bad max_tokens" in r["error"]
+    short = _sse({"choices": [{"text": "a"}]}, {"choices": [], "usage": {"completion_tokens": 1}})
+    assert _stream(lambda req: httpx.Response(200, content=short), 3)["error"] == "1 of 3 tokens"
