@@ -49,18 +49,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def settings(args) -> dict:
-    """The run's workload settings, ``--quick`` sizes where a flag is not given."""
+    """The run's workload settings, ``--quick`` sizes where a flag is not given; ValueError names a bad flag."""
     q = args.quick
 
-    def span(s: str) -> tuple[int, int]:
-        lo, hi = s.split("-")
-        return int(lo), int(hi)
+    def span(flag: str, s: str) -> tuple[int, int]:
+        try:
+            lo, hi = (int(x) for x in s.split("-"))
+        except ValueError:
+            raise ValueError(f"{flag} expects LO-HI token counts, e.g. 32-512; got {s!r}") from None
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{flag} needs 1 <= LO <= HI, got {s!r}")
+        return lo, hi
 
-    return {"num_requests": args.num_requests or (6 if q else 64),
-            "rates": [float(x) for x in (args.rates or "2,16").split(",")],
+    try:
+        rates = [float(x) for x in (args.rates or "2,16").split(",")]
+    except ValueError:
+        raise ValueError(f"--rates expects comma-separated req/s, e.g. 2,16; got {args.rates!r}") from None
+    if not all(r > 0 for r in rates):
+        raise ValueError(f"--rates must be positive, got {args.rates!r}")
+    return {"num_requests": args.num_requests or (6 if q else 64), "rates": rates,
             "rounds": args.rounds or (1 if q else 2),
-            "prompt_len": span(args.prompt_len or ("8-48" if q else "32-512")),
-            "output_len": span(args.output_range or ("4-16" if q else "16-256"))}
+            "prompt_len": span("--prompt-len", args.prompt_len or ("8-48" if q else "32-512")),
+            "output_len": span("--output-range", args.output_range or ("4-16" if q else "16-256"))}
 
 
 def workload(tokenizer, cfg: dict, k: int, seed: int) -> tuple[list[BenchRequest], list[float]]:
@@ -90,7 +100,7 @@ def vllm_server_env(py: str, threads: int) -> dict[str, str]:
 
 
 def start(system: str, args, dtype: str, vllm_py: str | None):
-    """(process, status) of ``system``'s server on a free port, healthy, and its base URL."""
+    """``system``'s server started on a free port: (process or None, status, base URL)."""
     import torch
 
     from pagedllm.models.loader import resolve_model_dir

@@ -125,3 +125,15 @@ def test_stream_one_reports_refusals_and_short_streams_as_failures():
     assert r["error"].startswith("HTTP 400") and "bad max_tokens" in r["error"]
     short = _sse({"choices": [{"text": "a"}]}, {"choices": [], "usage": {"completion_tokens": 1}})
     assert _stream(lambda req: httpx.Response(200, content=short), 3)["error"] == "1 of 3 tokens"
+
+
+def test_bad_workload_flags_are_refused_by_name(tmp_path):
+    import pytest
+
+    from pagedllm.bench.cli import build_parser
+
+    for flags, name in ((["--rates", "2,fast"], "--rates"), (["--rates", "0"], "--rates"),
+                        (["--prompt-len", "512"], "--prompt-len"), (["--output-range", "64-16"], "--output-range")):
+        args = build_parser().parse_args(["serve", "--baselines", "vllm", *flags])
+        with pytest.raises(ValueError, match=name):
+            serve_vllm.settings(args)
