@@ -12,6 +12,8 @@ store, import on the decode replica).
 Systems, one after another on the same machine: one engine (the core in its own process, all
 cores); 2 replicas routed least-loaded (no prefix affinity); 2 replicas with prefix-aware routing;
 prefill 1 + decode 1. Each Ray replica takes one CPU (and Ray gives it one thread).
+
+``--baselines vllm`` runs ``serve_vllm`` instead: our HTTP server against vLLM's CPU OpenAI server.
 """
 
 from __future__ import annotations
