@@ -194,7 +194,7 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None) -> Repo
         tables.append(Table(["req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], ratio_rows,
                             "pagedllm / vLLM (target: tok/s >= 1.5, TTFT <= 1)", 2))
     tables.append(Table(["round", "req/s", "system", "load", "out tok/s", "TTFT p50 ms", "TTFT p99 ms"],
-                        [[r["round"], r["rate"], r["system"], r["load"], r["tok_s"], r["all"]["ttft_p50"],
+                        [[r["round"], str(r["rate"]), r["system"], r["load"], r["tok_s"], r["all"]["ttft_p50"],
                           r["all"]["ttft_p99"]] for r in runs if "skipped" not in r], "Per round, in run order", 1))
     n, (plo, phi), (olo, ohi) = cfg["num_requests"], cfg["prompt_len"], cfg["output_len"]
     notes = [f"{n} streaming /v1/completions per rate (prompts {plo}-{phi} tokens of Wikipedia text, {olo}-{ohi} "
