@@ -25,7 +25,8 @@ BENCHES = {
     "decode": "decode step time at batch 1/8/32/64 per attention backend vs HF generate",
     "perplexity": "perplexity through the paged path (chunked prefill) vs HF on Wikipedia text",
     "spec": "speculative decoding (ngram / suffix / draft model) vs none: speedup and acceptance, batch 1 and 16",
-    "serve": "online serving TTFT/ITL under Poisson arrivals: 1 engine vs 2 Ray replicas (prefix routing on/off) vs P/D",
+    "serve": "online serving TTFT/ITL under Poisson arrivals: 1 engine vs 2 Ray replicas (prefix routing on/off) vs P/D; "
+             "--baselines vllm: pagedllm serve vs vLLM's CPU server over HTTP",
     "compare": "W1 on this checkout vs a git revision (--rev), alternating fresh processes: the new/old ratio",
     "tp": "W1 at TP=1 (all cores, one process) vs TP=N (cores split between the ranks), alternating",
     "alloc": "block manager microbenchmark",

@@ -13,15 +13,15 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
-import sys
 import time
 
 from tqdm.auto import tqdm
 
 from pagedllm.bench.common import engine_warmup, make_llm, percentile, ratio, run_engine
 from pagedllm.bench.report import Report, Table
+from pagedllm.bench.serve_procs import free_port as _free_port
+from pagedllm.bench.serve_procs import launch, pagedllm_serve_command, stop_server
 from pagedllm.bench.workloads import (
     LATENCY_DEMO_PROMPTS,
     BenchRequest,
@@ -64,45 +64,10 @@ def demo(args) -> tuple[list[list], dict]:
 
 
 # ------------------------------------------------------------------------------- serving run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, port: int, timeout: float = 240.0) -> tuple[subprocess.Popen | None, str]:
-    import httpx
-
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "--log-level", "warning", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", args.dtype, "--seed", str(args.seed)]
-    for k, v in args.engine_args.items():
-        flag = "--" + k.replace("_", "-")
-        cmd += [flag] if v is True else [f"--no-{k.replace('_', '-')}"] if v is False else [flag, str(v)]
-    log = open(os.path.join(args.out, "latency_server.log"), "w") if os.path.isdir(args.out) else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return None, f"server exited with code {proc.returncode} (see latency_server.log)"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, "ok"
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    stop_server(proc)
-    return None, f"server not healthy after {timeout:.0f} s"
-
-
-def stop_server(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    """``pagedllm serve`` for this bench, its log in ``--out``/latency_server.log."""
+    return launch(pagedllm_serve_command(args, port), port, os.path.join(args.out, "latency_server.log"),
+                  timeout=timeout)
 
 
 async def _one(client, url: str, prompt: list[int], max_tokens: int, deadline: float, model: str | None) -> dict:

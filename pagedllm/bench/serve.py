@@ -12,6 +12,8 @@ store, import on the decode replica).
 Systems, one after another on the same machine: one engine (the core in its own process, all
 cores); 2 replicas routed least-loaded (no prefix affinity); 2 replicas with prefix-aware routing;
 prefill 1 + decode 1. Each Ray replica takes one CPU (and Ray gives it one thread).
+
+``--baselines vllm`` runs ``serve_vllm`` instead: our HTTP server against vLLM's CPU OpenAI server.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import os
 import random
 import time
 
-from pagedllm.bench.common import percentile, ratio
+from pagedllm.bench import serve_vllm
+from pagedllm.bench.common import ratio
 from pagedllm.bench.report import Report, Table
+from pagedllm.bench.serve_stats import summarize
 from pagedllm.bench.workloads import BenchRequest, corpus
 
 SYSTEMS = ("1 engine", "2 replicas, least-loaded", "2 replicas, prefix-aware", "prefill 1 + decode 1")
@@ -37,6 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-fraction", type=float, default=0.5, help="share of long prompts (default 0.5)")
     p.add_argument("--num-prefixes", type=int, default=4, help="distinct shared system prompts (default 4)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 32; quick 8)")
+    serve_vllm.add_args(p)
     p.add_argument("--systems", default=",".join(str(i) for i in range(len(SYSTEMS))),
                    help="which systems to run, by index: " + "; ".join(f"{i}={s}" for i, s in enumerate(SYSTEMS)))
 
@@ -105,32 +110,9 @@ def start(index: int, eargs):
     return ScaleOutEngine(eargs, ScaleOutConfig(**layout))
 
 
-def summarize(results: list[dict], wall: float, stats: dict) -> dict:
-    ok = [r for r in results if r["error"] is None and r["ttft"] is not None]
-
-    def ms(xs, p):
-        v = percentile(xs, p)
-        return None if v is None else 1000 * v
-
-    out = {"completed": len(ok), "errors": [r["error"] for r in results if r["error"]][:3], "wall_s": wall,
-           "tok_s": sum(r["tokens"] for r in ok) / wall if wall else None,
-           "hit_rate": stats.get("hit_rate"), "ttft_s": [r["ttft"] for r in ok]}
-    for label in ("all", "short", "long"):
-        sel = [r for r in ok if label in ("all", r["label"])]
-        ttft = [r["ttft"] for r in sel]
-        itl = [x for r in sel for x in r["itl"]]
-        out[label] = {"n": len(sel), "ttft_p50": ms(ttft, 50), "ttft_p99": ms(ttft, 99), "itl_p50": ms(itl, 50),
-                      "itl_p99": ms(itl, 99)}
-    n_imp = stats.get("kv_transfer_imports", 0)
-    if n_imp:
-        out["transfer"] = {"handovers": n_imp, "blocks": stats["kv_transfer_blocks"],
-                           "kib_per_handover": stats["kv_transfer_bytes"] / n_imp / 1024,
-                           **{f"{k}_ms": 1000 * stats[f"kv_transfer_{k}_s"] / n_imp
-                              for k in ("export", "transit", "queue", "import")}}
-    return out
-
-
 def run(args) -> Report:
+    if args.baselines == "vllm":
+        return serve_vllm.run(args)
     from pagedllm.config.args import EngineArgs
     from pagedllm.config.device import resolve_dtype
     from pagedllm.models.loader import load_tokenizer
@@ -194,6 +176,8 @@ def _report(res: dict, args) -> Report:
 
 
 def plot(fig, result: dict) -> None:
+    if result.get("mode") == "vllm":
+        return serve_vllm.plot(fig, result)
     ax = fig.add_subplot(111)
     names = list(result["systems"])
     xs = range(len(names))

@@ -1,0 +1,228 @@
+"""``pagedllm bench serve --baselines vllm``: our ``pagedllm serve`` and vLLM's CPU OpenAI server under the
+same Poisson load, one after the other in one run.
+
+Both servers get the same weights (vLLM the HF directory the loader converts the embedded GGUF into), the same
+explicit dtype, ``--max-model-len`` and served model name, and the same requests: W1-shaped streaming
+completions of Wikipedia text (``ignore_eos``, greedy), sent at seeded Poisson arrival times at each rate (a
+light one and a saturating one). Each rate has its own prompts, so the second rate on a server is no prefix-cache
+replay of the first. Never both servers at once (2 cores): per round one server starts, is warmed up, serves
+every rate, and stops; the other follows; the order alternates across rounds (ours first in even rounds).
+``--quick`` (the CI smoke test; CI has no vLLM) runs our server only on a tiny workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+
+from pagedllm.bench.common import ratio
+from pagedllm.bench.report import Report, Table
+from pagedllm.bench.serve_http import drive
+from pagedllm.bench.serve_procs import (
+    free_port,
+    launch,
+    pagedllm_serve_command,
+    stop_server,
+)
+from pagedllm.bench.serve_stats import summarize
+from pagedllm.bench.workloads import BenchRequest, random_requests
+
+OURS, VLLM = "pagedllm serve", "vLLM CPU serve"
+SERVED_NAME = "smollm2"
+METRICS = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--baselines", choices=("none", "vllm"), default="none",
+                   help="vllm: our HTTP server against vLLM's CPU OpenAI server ($PAGEDLLM_VLLM_PYTHON) on W1-shaped "
+                        "streaming completions at --rates, instead of the in-process systems")
+    p.add_argument("--rates", default=None, help="with --baselines vllm: Poisson rates, req/s (default 2,16)")
+    p.add_argument("--rounds", type=int, default=None, help="with --baselines vllm: rounds, order alternating "
+                                                           "(default 2; quick 1)")
+    p.add_argument("--prompt-len", default=None, help="with --baselines vllm: prompt tokens LO-HI (default 32-512)")
+    p.add_argument("--output-range", default=None, help="with --baselines vllm: output tokens LO-HI (default 16-256)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="with --baselines vllm: both servers' limit")
+
+
+def settings(args) -> dict:
+    """The run's workload settings, ``--quick`` sizes where a flag is not given; ValueError names a bad flag."""
+    q = args.quick
+
+    def span(flag: str, s: str) -> tuple[int, int]:
+        try:
+            lo, hi = (int(x) for x in s.split("-"))
+        except ValueError:
+            raise ValueError(f"{flag} expects LO-HI token counts, e.g. 32-512; got {s!r}") from None
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{flag} needs 1 <= LO <= HI, got {s!r}")
+        return lo, hi
+
+    try:
+        rates = [float(x) for x in (args.rates or "2,16").split(",")]
+    except ValueError:
+        raise ValueError(f"--rates expects comma-separated req/s, e.g. 2,16; got {args.rates!r}") from None
+    if not all(r > 0 for r in rates):
+        raise ValueError(f"--rates must be positive, got {args.rates!r}")
+    return {"num_requests": args.num_requests or (6 if q else 64), "rates": rates,
+            "rounds": args.rounds or (1 if q else 2),
+            "prompt_len": span("--prompt-len", args.prompt_len or ("8-48" if q else "32-512")),
+            "output_len": span("--output-range", args.output_range or ("4-16" if q else "16-256"))}
+
+
+def workload(tokenizer, cfg: dict, k: int, seed: int) -> tuple[list[BenchRequest], list[float]]:
+    """Rate ``k``'s requests (prompts of their own) and Poisson arrival offsets (s)."""
+    reqs = random_requests(tokenizer, cfg["num_requests"], cfg["prompt_len"], cfg["output_len"], seed + 1000 * k)
+    rng, t, arrivals = random.Random(seed + k), 0.0, []
+    for _ in reqs:
+        arrivals.append(t)
+        t += rng.expovariate(cfg["rates"][k])
+    return reqs, arrivals
+
+
+def vllm_serve_command(py: str, model_dir: str, port: int, dtype: str, max_model_len: int, seed: int) -> list[str]:
+    """``vllm serve`` from vLLM's own venv (the ``vllm`` script next to ``py``) on the same weights and limits."""
+    return [os.path.join(os.path.dirname(py), "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
+            "--served-model-name", SERVED_NAME, "--uvicorn-log-level", "warning"]
+
+
+def vllm_server_env(py: str, threads: int) -> dict[str, str]:
+    """The bench's vLLM CPU environment (thread binding, KV space, preloads), offline, without our tree."""
+    from pagedllm.bench.baselines import vllm_env
+
+    env = {**vllm_env(py, threads), "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("PYTHONPATH", None)  # vLLM's venv must not import our checkout
+    return env
+
+
+def start(system: str, args, dtype: str, vllm_py: str | None):
+    """``system``'s server started on a free port: (process or None, status, base URL)."""
+    import torch
+
+    from pagedllm.models.loader import resolve_model_dir
+
+    port = free_port()
+    log = os.path.join(args.out, f"serve_{'vllm' if system == VLLM else 'pagedllm'}_server.log")
+    if system == VLLM:
+        cmd = vllm_serve_command(vllm_py, resolve_model_dir(), port, dtype, args.max_model_len, args.seed)
+        proc, status = launch(cmd, port, log, vllm_server_env(vllm_py, torch.get_num_threads()), timeout=900)
+    else:
+        extra = ("--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len))
+        proc, status = launch(pagedllm_serve_command(args, port, extra, dtype), port, log, timeout=300)
+    return proc, status, f"http://127.0.0.1:{port}"
+
+
+def serve_round(system: str, args, cfg: dict, dtype: str, vllm_py: str | None, loads: list, warm) -> list[dict]:
+    """One server up, warmed up, every rate served in turn; a record per rate (or one saying why none ran)."""
+    print(f"bench serve: starting {system}...", file=sys.stderr, flush=True)
+    proc, status, url = start(system, args, dtype, vllm_py)
+    if proc is None:
+        return [{"system": system, "skipped": status}]
+    out = []
+    try:
+        asyncio.run(drive(url, SERVED_NAME, warm, [0.0] * len(warm)))
+        for k, (reqs, arrivals) in enumerate(loads):
+            results, wall = asyncio.run(drive(url, SERVED_NAME, reqs, arrivals))
+            out.append({"system": system, "rate": cfg["rates"][k], "load": os.getloadavg()[0],
+                        **summarize(results, wall, {})})
+            a = out[-1]["all"]
+            print(f"  {cfg['rates'][k]} req/s: {out[-1]['tok_s']:.1f} out tok/s, TTFT p50 {a['ttft_p50'] or 0:.0f} ms, "
+                  f"p99 {a['ttft_p99'] or 0:.0f} ms, {out[-1]['failed']} failed", file=sys.stderr, flush=True)
+    finally:
+        stop_server(proc)
+    return out
+
+
+def run(args) -> Report:
+    from pagedllm.bench.baselines import vllm_python
+    from pagedllm.config.device import resolve_dtype
+    from pagedllm.models.loader import load_tokenizer
+
+    os.makedirs(args.out, exist_ok=True)
+    cfg = settings(args)
+    dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
+    tokenizer = load_tokenizer()
+    loads = [workload(tokenizer, cfg, k, args.seed) for k in range(len(cfg["rates"]))]
+    warm = random_requests(tokenizer, 2, (16, 48), (4, 4), args.seed + 7)
+    vllm_py = None if args.quick else vllm_python()
+    systems = [OURS] + ([VLLM] if vllm_py else [])
+    runs: list[dict] = []
+    for rnd in range(cfg["rounds"]):
+        for system in systems if rnd % 2 == 0 else systems[::-1]:
+            runs += [{**r, "round": rnd} for r in serve_round(system, args, cfg, dtype, vllm_py, loads, warm)]
+    why_not = ("--quick runs our server only" if args.quick else None if vllm_py else
+               "vLLM CPU not installed (set PAGEDLLM_VLLM_PYTHON=/opt/vllm-venv/bin/python)")
+    return report(runs, cfg, dtype, why_not)
+
+
+def metric(run: dict, m: str) -> float | None:
+    return run["tok_s"] if m == "tok_s" else run["all"][m]
+
+
+def mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def means(runs: list[dict]) -> dict:
+    """{system: {rate: {metric: mean over rounds, completed, failed}}} of the runs that ran."""
+    out: dict = {}
+    for r in runs:
+        if "skipped" not in r:
+            out.setdefault(r["system"], {}).setdefault(str(r["rate"]), []).append(r)
+    return {s: {rate: {**{m: mean(metric(x, m) for x in rs) for m in METRICS},
+                       "completed": sum(x["completed"] for x in rs), "failed": sum(x["failed"] for x in rs)}
+                for rate, rs in by_rate.items()} for s, by_rate in out.items()}
+
+
+def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None) -> Report:
+    avg = means(runs)
+    rows, ratio_rows = [], []
+    for rate in map(str, cfg["rates"]):
+        for s in (OURS, VLLM):
+            if (m := avg.get(s, {}).get(rate)) is not None:
+                rows.append([rate, s, m["completed"], m["failed"], *(m[k] for k in METRICS)])
+        if (o := avg.get(OURS, {}).get(rate)) and (v := avg.get(VLLM, {}).get(rate)):
+            ratio_rows.append([rate, *(ratio(o[k], v[k]) for k in METRICS)])
+    cols = ["req/s", "system", "done", "failed", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    tables = [Table(cols, rows, f"Serving under Poisson load (means over {cfg['rounds']} round(s))", 1)]
+    if ratio_rows:
+        tables.append(Table(["req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], ratio_rows,
+                            "pagedllm / vLLM (target: tok/s >= 1.5, TTFT <= 1)", 2))
+    tables.append(Table(["round", "req/s", "system", "load", "out tok/s", "TTFT p50 ms", "TTFT p99 ms"],
+                        [[r["round"], str(r["rate"]), r["system"], r["load"], r["tok_s"], r["all"]["ttft_p50"],
+                          r["all"]["ttft_p99"]] for r in runs if "skipped" not in r], "Per round, in run order", 1))
+    n, (plo, phi), (olo, ohi) = cfg["num_requests"], cfg["prompt_len"], cfg["output_len"]
+    notes = [f"{n} streaming /v1/completions per rate (prompts {plo}-{phi} tokens of Wikipedia text, {olo}-{ohi} "
+             f"output tokens, greedy, ignore_eos), Poisson arrivals at {', '.join(map(str, cfg['rates']))} req/s; "
+             f"dtype {dtype} on both servers; servers one at a time, order alternating across rounds.",
+             "Client-side timing: TTFT = send -> first text chunk; ITL = gaps between text chunks; out tok/s = the "
+             "servers' completion_tokens / (first send -> last end)."]
+    notes += [f"{r['system']} round {r['round']}: not run: {r['skipped']}" for r in runs if "skipped" in r]
+    if why_not:
+        notes.append(f"vLLM not run: {why_not}")
+    errors = {f"{r['system']} @ {r['rate']}": r["errors"] for r in runs if r.get("errors")}
+    if errors:
+        notes.append(f"errors: {errors}")
+    res = {"mode": "vllm", "dtype": dtype, **cfg, "runs": runs, "mean": avg,
+           "ratios": {r[0]: dict(zip(METRICS, r[1:])) for r in ratio_rows}}
+    return Report("serve", "Serving: pagedllm serve vs vLLM's CPU server under Poisson load", notes, tables, res)
+
+
+def plot(fig, result: dict) -> None:
+    rates = [str(r) for r in result["rates"]]
+    systems = [s for s in (OURS, VLLM) if s in result["mean"]]
+    w = 0.8 / max(1, len(systems))
+    for i, (metric, label) in enumerate((("tok_s", "output tok/s"), ("ttft_p50", "TTFT p50 (ms)"),
+                                         ("ttft_p99", "TTFT p99 (ms)"))):
+        ax = fig.add_subplot(1, 3, i + 1)
+        for j, s in enumerate(systems):
+            ax.bar([x + (j - (len(systems) - 1) / 2) * w for x in range(len(rates))],
+                   [result["mean"][s].get(r, {}).get(metric) or 0 for r in rates], w, label=s)
+        ax.set_xticks(range(len(rates)), [f"{r} req/s" for r in rates], fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=6)

@@ -1,0 +1,139 @@
+"""``pagedllm bench serve --baselines vllm``: the CI smoke run (our server only: CI has no vLLM) and its report's
+shape, the vLLM launch line and environment, the order of the servers across rounds, and the ratio table."""
+
+from __future__ import annotations
+
+import json
+
+from pagedllm.bench import serve_vllm
+from pagedllm.bench.serve_vllm import OURS, VLLM
+
+
+def test_quick_runs_our_server_at_both_rates_and_writes_the_report(tmp_path, capsys):
+    from pagedllm.bench.cli import main
+
+    assert main(["serve", "--baselines", "vllm", "--quick", "--num-requests", "3", "--out", str(tmp_path)]) == 0
+    assert "| pagedllm serve |" in capsys.readouterr().out
+    data = json.loads((tmp_path / "serve.json").read_text())
+    assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = data["result"]
+    assert res["mode"] == "vllm" and res["rates"] == [2.0, 16.0] and res["rounds"] == 1
+    assert [(r["system"], r["rate"]) for r in res["runs"]] == [(OURS, 2.0), (OURS, 16.0)]
+    for r in res["runs"]:
+        # every request streamed all its tokens (a short count is a failure), each timed
+        assert (r["completed"], r["failed"]) == (3, 0), r["errors"]
+        assert r["tok_s"] > 0 and 0 < r["all"]["ttft_p50"] <= r["all"]["ttft_p99"]
+        assert r["all"]["itl_p50"] is not None
+    assert set(res["mean"]) == {OURS} and res["ratios"] == {}
+    assert any("vLLM not run: --quick" in n for n in data["notes"])
+    assert [t["title"] for t in data["tables"]][0].startswith("Serving under Poisson load")
+
+
+def test_vllm_launch_line_and_environment(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/work/tree")
+    cmd = serve_vllm.vllm_serve_command("/opt/venv/bin/python", "/models/smol", 8123, "float32", 2048, 5)
+    assert cmd[:3] == ["/opt/venv/bin/vllm", "serve", "/models/smol"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags == {"--host": "127.0.0.1", "--port": "8123", "--dtype": "float32", "--max-model-len": "2048",
+                     "--seed": "5", "--served-model-name": serve_vllm.SERVED_NAME, "--uvicorn-log-level": "warning"}
+    env = serve_vllm.vllm_server_env("/opt/venv/bin/python", 2)
+    assert "PYTHONPATH" not in env  # its venv must not import our checkout
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) <= 2
+
+
+def test_rounds_alternate_which_server_goes_first(tmp_path, monkeypatch):
+    from pagedllm.bench import baselines
+    from pagedllm.bench.cli import build_parser
+
+    order = []
+
+    def fake_round(system, args, cfg, dtype, vllm_py, loads, warm):
+        order.append(system)
+        assert len(loads) == len(cfg["rates"]) and all(len(reqs) == 2 for reqs, _ in loads)
+        return [{"system": system, "skipped": "fake"}]
+
+    monkeypatch.setattr(baselines, "vllm_python", lambda: "/opt/venv/bin/python")
+    monkeypatch.setattr(serve_vllm, "serve_round", fake_round)
+    args = build_parser().parse_args(["serve", "--baselines", "vllm", "--num-requests", "2", "--rounds", "3",
+                                      "--out", str(tmp_path)])
+    args.engine_args = {}
+    rep = serve_vllm.run(args)
+    assert order == [OURS, VLLM, VLLM, OURS, OURS, VLLM]
+    assert sum("not run: fake" in n for n in rep.notes) == 6
+
+
+def _run(system: str, rate: float, rnd: int, tok_s: float, ttft_p50: float) -> dict:
+    return {"system": system, "rate": rate, "round": rnd, "load": 1.0, "completed": 4, "failed": 0, "errors": [],
+            "tok_s": tok_s, "all": {"ttft_p50": ttft_p50, "ttft_p99": 2 * ttft_p50, "itl_p50": 10.0, "itl_p99": 30.0}}
+
+
+def test_report_means_rounds_and_divides_ours_by_vllms():
+    runs = [_run(OURS, 2.0, 0, 300.0, 100.0), _run(VLLM, 2.0, 0, 200.0, 200.0),
+            _run(VLLM, 2.0, 1, 200.0, 100.0), _run(OURS, 2.0, 1, 340.0, 50.0),
+            {"system": VLLM, "round": 2, "skipped": "server exited with code 1"}]
+    cfg = {"num_requests": 4, "rates": [2.0], "rounds": 2, "prompt_len": (32, 512), "output_len": (16, 256)}
+    rep = serve_vllm.report(runs, cfg, "float32", None)
+    assert rep.result["mean"][OURS]["2.0"]["tok_s"] == 320.0
+    assert rep.result["mean"][VLLM]["2.0"]["completed"] == 8
+    assert rep.result["ratios"]["2.0"]["tok_s"] == 1.6
+    assert rep.result["ratios"]["2.0"]["ttft_p50"] == 0.5  # 75 ms vs 150 ms
+    assert any("round 2: not run: server exited" in n for n in rep.notes)
+    assert [t.title for t in rep.tables][1].startswith("pagedllm / vLLM")
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _stream(handler, max_tokens: int) -> dict:
+    import asyncio
+
+    import httpx
+
+    from pagedllm.bench.serve_http import stream_one
+    from pagedllm.bench.workloads import BenchRequest
+
+    async def go() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream_one(client, "http://srv/v1/completions", "m", BenchRequest([1, 2, 3], max_tokens, "x"))
+
+    return asyncio.run(go())
+
+
+def test_stream_one_times_text_chunks_and_counts_the_servers_tokens():
+    import httpx
+
+    sent = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.update(json.loads(request.content))
+        text = [{"choices": [{"text": t}]} for t in ("a", "", "b", "c")]
+        return httpx.Response(200, content=_sse(*text, {"choices": [], "usage": {"completion_tokens": 3}}))
+
+    r = _stream(handler, 3)
+    assert sent["stream"] and sent["ignore_eos"] and sent["stream_options"] == {"include_usage": True}
+    assert sent["prompt"] == [1, 2, 3] and sent["max_tokens"] == 3
+    assert r["error"] is None and r["tokens"] == 3 and r["ttft"] >= 0
+    assert len(r["itl"]) == 2  # three text chunks; the empty one is no token gap
+
+
+def test_stream_one_reports_refusals_and_short_streams_as_failures():
+    import httpx
+
+    r = _stream(lambda req: httpx.Response(400, json={"error": {"message": "bad max_tokens"}}), 3)
+    assert r["error"].startswith("HTTP 400") and "bad max_tokens" in r["error"]
+    short = _sse({"choices": [{"text": "a"}]}, {"choices": [], "usage": {"completion_tokens": 1}})
+    assert _stream(lambda req: httpx.Response(200, content=short), 3)["error"] == "1 of 3 tokens"
+
+
+def test_bad_workload_flags_are_refused_by_name(tmp_path):
+    import pytest
+
+    from pagedllm.bench.cli import build_parser
+
+    for flags, name in ((["--rates", "2,fast"], "--rates"), (["--rates", "0"], "--rates"),
+                        (["--prompt-len", "512"], "--prompt-len"), (["--output-range", "64-16"], "--output-range")):
+        args = build_parser().parse_args(["serve", "--baselines", "vllm", *flags])
+        with pytest.raises(ValueError, match=name):
+            serve_vllm.settings(args)
