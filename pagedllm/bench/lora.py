@@ -98,6 +98,16 @@ def hf_peft_one_at_a_time(model, prompts: list[list[int]], lens: list[int], pick
                            pad_token_id=0)
 
 
+def kv_blocks(llm) -> tuple[int, int]:
+    """The engine's KV pool blocks (LoRA compute slots already taken out) and how many of them resident adapters
+    hold as pages: what is left is the KV room that bounds the batch (why LoRA / base drops at a small
+    kv_cache_memory: slots and pages come out of the same budget)."""
+    sched = llm.engine.core.scheduler
+    pager = sched.adapters
+    pages = 0 if pager is None else sum(pager.pages_for(rank) for rank in pager.resident.values())
+    return sched.kv.num_blocks, pages
+
+
 def run(args) -> Report:
     from pagedllm.bench.common import make_llm
     from pagedllm.models.loader import resolve_model_dir
@@ -140,16 +150,18 @@ def run(args) -> Report:
                     llm.reset_prefix_cache()
                     t[side] += _timed(run_side[side])[0]
             loads.append(os.getloadavg()[0])
+            lora_blocks, page_blocks = kv_blocks(llm)
             base_tps, lora_tps = rounds * out_tokens / t["base"], rounds * out_tokens / t["lora"]
             hf_tps = rounds * out_tokens / t["hf"] if "hf" in t else None
             del hf
             llm.engine.shutdown()
             res = {"adapters": n, "distinct_used": len(set(picks)), "base_tok_s": base_tps, "lora_tok_s": lora_tps,
                    "lora_vs_base": lora_tps / base_tps, "hf_peft_tok_s": hf_tps,
-                   "lora_vs_hf_peft": None if hf_tps is None else lora_tps / hf_tps}
+                   "lora_vs_hf_peft": None if hf_tps is None else lora_tps / hf_tps,
+                   "kv_blocks_base": kv_blocks(base)[0], "kv_blocks_lora": lora_blocks - page_blocks}
             raw.append(res)
             rows.append([n, res["distinct_used"], base_tps, lora_tps, res["lora_vs_base"], hf_tps,
-                         res["lora_vs_hf_peft"]])
+                         res["lora_vs_hf_peft"], res["kv_blocks_base"], res["kv_blocks_lora"]])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rep = Report("lora", "multi-LoRA serving: mixed adapters vs the base model vs HF + PEFT one adapter at a time", [
@@ -159,9 +171,11 @@ def run(args) -> Report:
         "tok/s = output tokens / wall time, every adapter read once before (warm-up); base, LoRA and HF + PEFT run "
         f"once a round in rotating order over {rounds} round(s); HF + PEFT: one left-padded generate per adapter, "
         "adapters preloaded",
+        "KV blocks: the pool's blocks left for the KV cache at the end (LoRA: the compute slots and the resident "
+        "adapters' pages come out of the same kv_cache_memory, so a small budget caps its batch below the base's)",
         f"1-minute load average at the start and after each adapter count: {', '.join(f'{x:.2f}' for x in loads)}"])
     rep.tables.append(Table(["adapters", "used", "base tok/s", "LoRA tok/s", "LoRA / base", "HF+PEFT tok/s",
-                             "LoRA / HF+PEFT"], rows, digits=2))
+                             "LoRA / HF+PEFT", "base KV blocks", "LoRA KV blocks"], rows, digits=2))
     rep.result = {"requests": num, "rank": args.rank, "zipf": args.zipf, "rounds": rounds, "loadavg": loads,
                   "runs": raw}
     return rep

@@ -15,3 +15,5 @@ def test_bench_lora_quick(tmp_path, capsys):
     runs = json.loads((tmp_path / "lora.json").read_text())["result"]["runs"]
     assert [r["adapters"] for r in runs] == [1, 3]
     assert all(r["base_tok_s"] > 0 and r["lora_tok_s"] > 0 and r["hf_peft_tok_s"] > 0 for r in runs)
+    # the LoRA engine's compute slots and adapter pages come out of the same KV budget as the base engine's
+    assert all(0 < r["kv_blocks_lora"] < r["kv_blocks_base"] for r in runs)
