@@ -6,6 +6,10 @@ At batch 1 a layer is nine small ops; the Python between them (the wrappers' che
 the CPU, GGUF block matrices (``quantization="gguf"`` with the batch-1 GEMV, or ``"gguf-a8"`` packed), the CPU
 attention backend without its SDPA prefill, no q/k norm or biases, no LoRA and no tensor parallelism.
 ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
+
+On more than one thread the call runs the layer in one OpenMP parallel region (the GEMVs split by rows over the
+team, barriers between the phases) instead of a region per GEMV and in attention: the same bits on any thread
+count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region per op (A/B benchmarks).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pagedllm.models import quant
 from pagedllm.models.quant import MATRICES, QuantizedWeight
 
 FUSED = os.environ.get("PAGEDLLM_UNFUSED_DECODE") != "1"
+ONE_REGION = os.environ.get("PAGEDLLM_DECODE_REGION_PER_OP") != "1"
 
 
 def fused_layer_applies(layer: nn.Module, h: torch.Tensor, backend) -> bool:
@@ -51,4 +56,4 @@ def decode_layer(layer: nn.Module, h: torch.Tensor, delta: torch.Tensor | None, 
         h, delta, layer.input_norm, layer.post_norm, layer.eps, w[0].data, w[1].data, w[2].data, w[3].data,
         [m.qtype for m in w], [m.shape[0] for m in w], w[0].int8_activations, cos, sin, layer.num_heads, kd, vd,
         meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
-        backend.q_tile, **scales)
+        backend.q_tile, **scales, one_region=ONE_REGION)

@@ -63,13 +63,19 @@ def _quant_linear(x, wq, qtype, bias=None) -> torch.Tensor:
 @_fake("decode_layer", "decode_layer")
 def _decode_layer(h, delta, input_norm, post_norm, eps, qkv_wq, o_wq, gate_up_wq, down_wq, qtypes, rows,
                   int8_activations, cos, sin, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                  query_start_loc, block_size, scale, q_tile, k_scale=None, v_scale=None) -> torch.Tensor:
+                  query_start_loc, block_size, scale, q_tile, k_scale=None, v_scale=None,
+                  one_region=False) -> torch.Tensor:
     return h.new_empty(h.shape)
 
 
 @_fake("gemv", "quant_gemv")
 def _quant_gemv(x, wq, qtype, bias=None) -> torch.Tensor:
     return x.new_empty((1, wq.shape[0]))
+
+
+@_fake("gemv", "quant_gemv_part")
+def _quant_gemv_part(x, wq, qtype, y, part, parts) -> None:
+    return None
 
 
 @_fake("gemm", "dequantize")
@@ -111,6 +117,11 @@ def _pack_a8(wq, qtype) -> torch.Tensor:
 @_fake("quant_a8", "linear_a8_packed")
 def _linear_a8_packed(x, packed, qtype, N, bias=None) -> torch.Tensor:
     return x.new_empty((x.shape[0], N))
+
+
+@_fake("quant_a8", "linear_a8_packed_part")
+def _linear_a8_packed_part(x, packed, qtype, N, y, part, parts) -> None:
+    return None
 
 
 for _kernel, _ops in _FAKES.items():  # libraries loaded before this module was imported

@@ -57,6 +57,57 @@ def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization
         assert all(torch.equal(a, b) for a, b in zip(kv_got.layer(i), kv_want.layer(i)))
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-a8"])
+def test_one_region_layer_on_two_threads_gives_the_one_thread_bits(ckpt, quantization, monkeypatch, two_threads):
+    """The layer as one parallel region (GEMVs split by rows over the team, attention on one thread) computes what
+    one thread computes: the logits and the pool do not depend on the thread count."""
+    if not ops.load("quant_a8"):
+        pytest.skip("quant_a8.cpp could not be built here")
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization)
+    got, kv_got = run_steps(model, "cpu", 4)
+    torch.set_num_threads(1)
+    want, kv_want = run_steps(model, "cpu", 4)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(fused, "ONE_REGION", False)  # PAGEDLLM_DECODE_REGION_PER_OP=1: the same on two threads
+    per_op = run_steps(model, "cpu", 4)[0]
+    for a, b, c in zip(got, want, per_op):
+        assert torch.equal(a, b)
+        assert (a - c).abs().max() <= 1e-4 * a.abs().max()  # attention splits over two threads there: fp32 rounding
+    for i in range(model.config.num_layers):
+        assert all(torch.equal(a, b) for a, b in zip(kv_got.layer(i), kv_want.layer(i)))
+
+
+@needs_kernels
+def test_one_region_layer_raises_a_kernels_error_without_hanging_the_team(smol, two_threads):
+    """A check that fails inside the team (here: a wrong output size for the o projection) reaches the caller as
+    the kernel's error; the other thread still passes every barrier (the call returns)."""
+    _, model = smol
+    layer, cfg = model.layers[0], model.config
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 16)
+    w = [getattr(layer, a) for a in fused.MATRICES]
+    h, d = torch.randn(1, cfg.hidden_size), torch.randn(1, cfg.hidden_size)
+    cos, sin = torch.ones(1, cfg.head_dim // 2), torch.zeros(1, cfg.head_dim // 2)
+    kd, vd = kv.layer(0)
+    rows = [m.shape[0] for m in w]
+    rows[1] += 1
+    with pytest.raises(RuntimeError, match="y must be"):
+        torch.ops.pagedllm.decode_layer(
+            h, d, layer.input_norm, layer.post_norm, layer.eps, *(m.data for m in w), [m.qtype for m in w], rows,
+            False, cos, sin, layer.num_heads, kd, vd, torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 8, 0.125, 4,
+            one_region=True)
+
+
 @needs_kernels
 def test_fused_layer_applies_only_where_the_per_op_path_calls_the_same_ops(smol, monkeypatch):
     _, model = smol

@@ -54,6 +54,33 @@ def test_gemv_refuses_what_it_cannot_run():
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(7, 64), (192, 576), (13, 1536), (3072, 576)])
+def test_gemv_parts_give_the_whole_calls_bits(qtype, n, k):
+    """decode_layer's team computes a GEMV as parts, one per thread: any split must give quant_gemv's bits."""
+    qw, _ = make_weight(qtype, n, k, seed=n + k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n))
+    want = torch.ops.pagedllm.quant_gemv(x, qw.data, qw.qtype)
+    for parts in (1, 2, 3, 5):
+        y = torch.full((1, n), float("nan"))
+        for p in range(parts):
+            torch.ops.pagedllm.quant_gemv_part(x, qw.data, qw.qtype, y, p, parts)
+        assert torch.equal(y, want), parts
+
+
+@needs_kernels
+def test_gemv_part_refuses_a_bad_part_or_output():
+    qw, _ = make_weight(Q4_1, 8, 64, seed=1)
+    x, y = torch.randn(1, 64), torch.empty(1, 8)
+    for part, parts in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(RuntimeError, match="part must be in"):
+            torch.ops.pagedllm.quant_gemv_part(x, qw.data, qw.qtype, y, part, parts)
+    for bad in (torch.empty(1, 7), torch.empty(1, 8, dtype=torch.float64), torch.empty(2, 8)):
+        with pytest.raises(RuntimeError, match="y must be"):
+            torch.ops.pagedllm.quant_gemv_part(x, qw.data, qw.qtype, bad, 0, 1)
+
+
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_linear_routes_only_one_row_q4_1_to_the_gemv(monkeypatch, m, qtype):

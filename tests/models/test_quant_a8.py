@@ -150,6 +150,38 @@ def test_packed_gemm_equals_linear_a8_bit_for_bit(qtype, n, k):
             assert y.shape == (m, n) and torch.equal(y, kernel.linear_a8(x, data, int(qtype), bias)), (m, bias is None)
 
 
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(7, 64), (203, 576), (96, 1536)])
+def test_packed_parts_give_the_whole_calls_bits(qtype, n, k):
+    """decode_layer's team computes a GEMV as parts, one per thread: any split must give linear_a8_packed's bits."""
+    data, _ = make_weight(qtype, n, k, seed=n + k)
+    packed = kernel.pack_a8(data, int(qtype))
+    g = torch.Generator().manual_seed(n)
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=g) * 3
+        want = kernel.linear_a8_packed(x, packed, int(qtype), n)
+        for parts in (1, 2, 3, 5):
+            y = torch.full((m, n), float("nan"))
+            for p in range(parts):
+                kernel.linear_a8_packed_part(x, packed, int(qtype), n, y, p, parts)
+            assert torch.equal(y, want), (m, parts)
+
+
+def test_packed_part_bad_inputs_raise():
+    data, _ = make_weight(Q4_1, 9, 64, seed=2)
+    packed, x = kernel.pack_a8(data, 3), torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="pack_a8"):
+        kernel.linear_a8_packed_part(x, packed, 3, 17, torch.empty(2, 17), 0, 1)
+    for part, parts in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(RuntimeError, match="part must be in"):
+            kernel.linear_a8_packed_part(x, packed, 3, 9, torch.empty(2, 9), part, parts)
+    for bad in (torch.empty(2, 8), torch.empty(1, 9), torch.empty(2, 9, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="y must be"):
+            kernel.linear_a8_packed_part(x, packed, 3, 9, bad, 0, 1)
+    with pytest.raises(RuntimeError, match="rows"):
+        kernel.linear_a8_packed_part(torch.randn(65, 64), packed, 3, 9, torch.empty(65, 9), 0, 1)
+
+
 def test_packed_bad_inputs_raise():
     data, _ = make_weight(Q4_1, 9, 64, seed=2)
     packed, x = kernel.pack_a8(data, 3), torch.randn(2, 64)

@@ -8,9 +8,20 @@
 // CPU over 30 layers, measured). The other libraries (fused_ops, paged_attention) must be loaded
 // before the first call, and the GEMVs' (gemv or quant_a8) before the first call in that format
 // (pagedllm/models/decode_layer.py checks).
+//
+// On more than one thread (one_region), the layer is one OpenMP parallel region instead of one per GEMV and one in
+// attention: each GEMV is split by rows over the team (quant_gemv_part / linear_a8_packed_part: the same bits as the
+// whole call), the small ops between them (norms, rope + attention, silu) run on thread 0, barriers in between.
+// Every region's start wakes the other thread and its end joins it; the per-op calls made ~150 such round trips a
+// token on SmolLM2 (a wake from a sleeping thread costs 25-45 us), and split gguf-a8's layer matrices so badly
+// that linear_a8_packed keeps them on one thread.
 #include "ops_common.h"
 
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
+
+#include <exception>
 
 namespace {
 
@@ -24,15 +35,40 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 
 }  // namespace
 
+// Runs one phase of the team's layer unless an earlier phase failed; the first error is kept for the caller, so
+// every thread still reaches every barrier.
+class Phases {
+ public:
+  template <typename F>
+  void run(F&& f) {
+    if (failed_) return;
+    try {
+      f();
+    } catch (...) {
+#pragma omp critical(pagedllm_decode_layer_error)
+      if (!error_) error_ = std::current_exception();
+      failed_ = true;
+    }
+  }
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::exception_ptr error_;
+  volatile bool failed_ = false;
+};
+
 // h: [1, E] residual stream (updated in place: += delta, then += the attention output); returns the MLP output
 // [1, E] (the next layer's delta). qtypes: the GGUF formats of qkv, o, gate_up and down, rows their output
-// sizes; int8_activations: the matrices are pack_a8's (gguf-a8), else GGUF block rows.
+// sizes; int8_activations: the matrices are pack_a8's (gguf-a8), else GGUF block rows. one_region: the layer in one
+// parallel region on torch's threads (the same bits), else op by op.
 Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_norm, double eps, Tensor qkv_wq,
                     Tensor o_wq, Tensor gate_up_wq, Tensor down_wq, at::IntArrayRef qtypes, at::IntArrayRef rows,
                     bool int8_activations, Tensor cos, Tensor sin,
                     int64_t num_heads, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, Tensor block_tables,
                     Tensor seq_lens, Tensor query_start_loc, int64_t block_size, double scale, int64_t q_tile,
-                    OptTensor k_scale, OptTensor v_scale) {
+                    OptTensor k_scale, OptTensor v_scale, bool one_region) {
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer runs one token: h must be [1, E], got ", h.sizes());
   TORCH_CHECK(qtypes.size() == 4 && rows.size() == 4, "qtypes and rows must give the formats and output sizes of "
               "qkv, o, gate_up and down");
@@ -41,23 +77,65 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
   static const auto attend = op<Tensor(Tensor, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
                                        double, int64_t, OptTensor, OptTensor)>("pagedllm::attend_qkv");
   static const auto silu_mul = op<Tensor(Tensor)>("pagedllm::silu_mul");
-  auto linear = [&](const Tensor& x, const Tensor& w, size_t i) {  // looked up on first use: one format's library
-    if (int8_activations) {
-      static const auto a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
-      return a8.call(x, w, qtypes[i], rows[i], std::nullopt);
-    }
-    static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
-    return gemv.call(x, w, qtypes[i], std::nullopt);
-  };
   const int64_t num_kv_heads = k_cache.size(0);
-  Tensor x = norm.call(h, delta, input_norm, eps);
-  Tensor qkv = linear(x, qkv_wq, 0);
-  rope.call(qkv, cos, sin, num_heads + num_kv_heads);
-  Tensor attn = attend.call(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                            block_size, scale, q_tile, k_scale, v_scale);
-  Tensor o = linear(attn, o_wq, 1);
-  x = norm.call(h, o, post_norm, eps);
-  return linear(silu_mul.call(linear(x, gate_up_wq, 2)), down_wq, 3);
+  auto attention = [&](const Tensor& qkv) {
+    rope.call(qkv, cos, sin, num_heads + num_kv_heads);
+    return attend.call(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                       block_size, scale, q_tile, k_scale, v_scale);
+  };
+  const int nthreads = one_region ? at::get_num_threads() : 1;
+  if (nthreads <= 1) {
+    auto linear = [&](const Tensor& x, const Tensor& w, size_t i) {  // looked up on first use: one format's library
+      if (int8_activations) {
+        static const auto a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
+        return a8.call(x, w, qtypes[i], rows[i], std::nullopt);
+      }
+      static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
+      return gemv.call(x, w, qtypes[i], std::nullopt);
+    };
+    Tensor x = norm.call(h, delta, input_norm, eps);
+    Tensor o = linear(attention(linear(x, qkv_wq, 0)), o_wq, 1);
+    x = norm.call(h, o, post_norm, eps);
+    return linear(silu_mul.call(linear(x, gate_up_wq, 2)), down_wq, 3);
+  }
+  // thread t's share of a GEMV into y
+  auto part = [&](const Tensor& x, const Tensor& w, size_t i, const Tensor& y, int t, int n) {
+    if (int8_activations) {
+      static const auto a8 = op<void(Tensor, Tensor, int64_t, int64_t, Tensor, int64_t, int64_t)>(
+          "pagedllm::linear_a8_packed_part");
+      a8.call(x, w, qtypes[i], rows[i], y, t, n);
+    } else {
+      static const auto gemv = op<void(Tensor, Tensor, int64_t, Tensor, int64_t, int64_t)>("pagedllm::quant_gemv_part");
+      gemv.call(x, w, qtypes[i], y, t, n);
+    }
+  };
+  auto out = [&](size_t i) { return torch::empty({1, rows[i]}, h.options()); };
+  const Tensor qkv = out(0), o = out(1), gate_up = out(2), down = out(3);
+  Tensor x, attn, act;
+  Phases phases;
+  const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) for the team's dispatcher calls
+#pragma omp parallel num_threads(nthreads)
+  {
+    at::ThreadLocalStateGuard guard(tls);
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    if (t == 0) phases.run([&] { x = norm.call(h, delta, input_norm, eps); });
+#pragma omp barrier
+    phases.run([&] { part(x, qkv_wq, 0, qkv, t, n); });
+#pragma omp barrier
+    if (t == 0) phases.run([&] { attn = attention(qkv); });  // nested regions inside run on this thread alone
+#pragma omp barrier
+    phases.run([&] { part(attn, o_wq, 1, o, t, n); });
+#pragma omp barrier
+    if (t == 0) phases.run([&] { x = norm.call(h, o, post_norm, eps); });
+#pragma omp barrier
+    phases.run([&] { part(x, gate_up_wq, 2, gate_up, t, n); });
+#pragma omp barrier
+    if (t == 0) phases.run([&] { act = silu_mul.call(gate_up); });
+#pragma omp barrier
+    phases.run([&] { part(act, down_wq, 3, down, t, n); });
+  }
+  phases.rethrow();
+  return down;
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
@@ -67,7 +145,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         "Tensor sin, int num_heads, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int block_size, float scale, int q_tile, Tensor(d!)? k_scale=None, "
-        "Tensor(e!)? v_scale=None) -> Tensor");
+        "Tensor(e!)? v_scale=None, bool one_region=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -94,32 +94,67 @@ template <typename B>
   }
 }
 
-// Each thread takes a contiguous range of tiles of W (one parallel region per call, as gemm.cpp).
+// Tiles of W: rows per tile and their count.
 template <typename B>
-void gemv(const float* x, const B* w, const float* bias, float* y, int64_t N, int64_t K) {
-  const int64_t rows = std::is_same_v<B, BlockQ4_1> && K < LONG_ROW ? NR : 1;  // per tile
-  const int64_t kb = K / 32, tiles = (N + rows - 1) / rows;
-  std::vector<float> xs(std::is_same_v<B, BlockQ4_1> ? 8 * kb : 0);
-  for (int64_t b = 0; b < static_cast<int64_t>(xs.size()) / 8; ++b) {
+int64_t tile_rows(int64_t K) { return std::is_same_v<B, BlockQ4_1> && K < LONG_ROW ? NR : 1; }
+
+// xs for tile_q4_1 (sum of each block's 4 slices of x), in a buffer each calling thread keeps; empty for Q8_0.
+template <typename B>
+const float* block_sums(const float* x, int64_t K) {
+  thread_local std::vector<float> xs;
+  if constexpr (!std::is_same_v<B, BlockQ4_1>) return nullptr;
+  const int64_t kb = K / 32;
+  if (static_cast<int64_t>(xs.size()) < 8 * kb) xs.resize(8 * kb);
+  for (int64_t b = 0; b < kb; ++b) {
     const float* xb = x + 32 * b;
     const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
                                    _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
     _mm256_storeu_ps(xs.data() + 8 * b, s);
   }
-  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t t = 0; t < tiles; ++t) {
+  return xs.data();
+}
+
+// Tiles [t0, t1) of W; a row's result does not depend on which thread or range computes it.
+template <typename B>
+void gemv_tiles(const float* x, const float* xs, const B* w, const float* bias, float* y, int64_t N, int64_t K,
+                int64_t t0, int64_t t1) {
+  const int64_t rows = tile_rows<B>(K), kb = K / 32;
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t n = t * rows;
-    tile(x, xs.data(), kb, w + n * kb, std::min<int64_t>(rows, N - n), y + n, bias ? bias + n : nullptr);
+    tile(x, xs, kb, w + n * kb, std::min<int64_t>(rows, N - n), y + n, bias ? bias + n : nullptr);
   }
+}
+
+// Each thread takes a contiguous range of tiles of W (one parallel region per call, as gemm.cpp).
+template <typename B>
+void gemv(const float* x, const B* w, const float* bias, float* y, int64_t N, int64_t K) {
+  const int64_t tiles = (N + tile_rows<B>(K) - 1) / tile_rows<B>(K);
+  const float* xs = block_sums<B>(x, K);
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    gemv_tiles(x, xs, w, bias, y, N, K, tiles * t / nt, tiles * (t + 1) / nt);
+  }
+}
+
+// Part `part` of `parts` (a contiguous range of tiles) of gemv, in the calling thread.
+template <typename B>
+void gemv_part(const float* x, const B* w, float* y, int64_t N, int64_t K, int64_t part, int64_t parts) {
+  const int64_t tiles = (N + tile_rows<B>(K) - 1) / tile_rows<B>(K);
+  gemv_tiles(x, block_sums<B>(x, K), w, nullptr, y, N, K, tiles * part / parts, tiles * (part + 1) / parts);
+}
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be one contiguous float32 row [1, K], got ", x.sizes(), " ", x.scalar_type());
 }
 
 }  // namespace
 
 // x: [1, K] float32 contiguous; wq: [N, K / 32 * block bytes] uint8 rows of GGUF blocks of type qtype.
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor wq, int64_t qtype, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be one contiguous float32 row [1, K], got ", x.sizes(), " ", x.scalar_type());
+  check_x(x);
   const int64_t K = x.size(1), N = check_blocks(wq, qtype, K);
   torch::Tensor b;
   const float* bp = bias_ptr(bias, N, b);
@@ -131,9 +166,32 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor wq, int64_t qtype, std::
   return y;
 }
 
+// quant_gemv(x, wq, qtype) into y [1, N], only the rows of part `part` of `parts`, in the calling thread: the share
+// of one thread of a team that is already running (decode_layer's one parallel region per layer). The same bits
+// as quant_gemv, whatever the split.
+void quant_gemv_part(torch::Tensor x, torch::Tensor wq, int64_t qtype, torch::Tensor y, int64_t part,
+                     int64_t parts) {
+  check_x(x);
+  const int64_t K = x.size(1), N = check_blocks(wq, qtype, K);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == 1 && y.size(1) == N && y.scalar_type() == at::kFloat && y.is_contiguous(),
+              "y must be a contiguous float32 [1, ", N, "] tensor, got ", y.sizes(), " ", y.scalar_type());
+  TORCH_CHECK(parts >= 1 && part >= 0 && part < parts, "part must be in [0, parts), got ", part, " of ", parts);
+  if (qtype == BlockQ4_1::kType)
+    gemv_part(x.data_ptr<float>(), reinterpret_cast<const BlockQ4_1*>(wq.data_ptr<uint8_t>()), y.data_ptr<float>(),
+              N, K, part, parts);
+  else
+    gemv_part(x.data_ptr<float>(), reinterpret_cast<const BlockQ8_0*>(wq.data_ptr<uint8_t>()), y.data_ptr<float>(),
+              N, K, part, parts);
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.set_python_module("pagedllm.ops.fake");
   m.def("quant_gemv(Tensor x, Tensor wq, int qtype, Tensor? bias=None) -> Tensor");  // one row, scales factored out
+  // quant_gemv's rows of one part into y, in the calling thread (a team's share)
+  m.def("quant_gemv_part(Tensor x, Tensor wq, int qtype, Tensor(a!) y, int part, int parts) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("quant_gemv", &quant_gemv); }
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("quant_gemv", &quant_gemv);
+  m.impl("quant_gemv_part", &quant_gemv_part);
+}

@@ -646,6 +646,17 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32, got ", x.size(1));
 }
 
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t N) {
+  check_x(x);
+  check_qtype(qtype);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(N >= 0, "N must be >= 0");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) == (N + 7) / 8 && packed.size(1) == packed_row_bytes(qtype, K),
+              "packed must be pack_a8's contiguous uint8 [ceil(N / 8), ", packed_row_bytes(qtype, K),
+              "] blocks for N = ", N, ", K = ", K, ", got ", packed.sizes());
+}
+
 }  // namespace
 
 // x: [M, K] float32 contiguous -> (q int8 [M, K], d float32 [M, K/32], s float32 [M, K/32]): the activation
@@ -726,14 +737,8 @@ torch::Tensor pack_a8(torch::Tensor wq, int64_t qtype) {
 // linear_a8(x, wq, qtype, bias) with W given as pack_a8(wq, qtype) (N: its row count); the same results.
 torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N,
                                std::optional<torch::Tensor> bias) {
-  check_x(x);
-  check_qtype(qtype);
+  check_packed(x, packed, qtype, N);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(N >= 0, "N must be >= 0");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) == (N + 7) / 8 && packed.size(1) == packed_row_bytes(qtype, K),
-              "packed must be pack_a8's contiguous uint8 [ceil(N / 8), ", packed_row_bytes(qtype, K),
-              "] blocks for N = ", N, ", K = ", K, ", got ", packed.sizes());
   torch::Tensor b;
   const float* bp = bias_ptr(bias, N, b);
   auto y = torch::empty({M, N}, x.options());
@@ -771,6 +776,30 @@ torch::Tensor linear_a8_packed(torch::Tensor x, torch::Tensor packed, int64_t qt
   return y;
 }
 
+// linear_a8_packed(x, packed, qtype, N) into y [M, N], only the groups of 8 rows of part `part` of `parts`, in the
+// calling thread: the share of one thread of a team that is already running (decode_layer's one parallel region per
+// layer). Each part quantizes x itself (a decode row: a few hundred ns, less than a barrier). The same bits as
+// linear_a8_packed, whatever the split.
+void linear_a8_packed_part(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N, torch::Tensor y,
+                           int64_t part, int64_t parts) {
+  check_packed(x, packed, qtype, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == at::kFloat && y.is_contiguous(),
+              "y must be a contiguous float32 [", M, ", ", N, "] tensor, got ", y.sizes(), " ", y.scalar_type());
+  TORCH_CHECK(parts >= 1 && part >= 0 && part < parts, "part must be in [0, parts), got ", part, " of ", parts);
+  TORCH_CHECK(M <= kDirectMaxRows, "linear_a8_packed_part runs up to ", kDirectMaxRows, " rows, got ", M);
+  if (M == 0 || N == 0 || K == 0) {
+    if (part == 0) y.zero_();
+    return;
+  }
+  thread_local Scratch scratch;
+  const QX qx = scratch.get(M, K);
+  for (int64_t m = 0; m < M; ++m) quantize_x_row(x.data_ptr<float>(), m, K, qx);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (qtype == kQ4_1) gemm_packed<kQ4_1>(qx, wp, nullptr, y.data_ptr<float>(), M, N, K, parts, part);
+  else gemm_packed<kQ8_0>(qx, wp, nullptr, y.data_ptr<float>(), M, N, K, parts, part);
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.set_python_module("pagedllm.ops.fake");
   // x @ W.T (+ bias), W in GGUF Q4_1/Q8_0 blocks, x quantized to int8 per 32-block (approximate, llama.cpp-style)
@@ -781,6 +810,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("pack_a8(Tensor wq, int qtype) -> Tensor");
   // linear_a8 on pack_a8's layout (W: N rows); the same results
   m.def("linear_a8_packed(Tensor x, Tensor packed, int qtype, int N, Tensor? bias=None) -> Tensor");
+  // linear_a8_packed's rows of one part into y, in the calling thread (a team's share)
+  m.def("linear_a8_packed_part(Tensor x, Tensor packed, int qtype, int N, Tensor(a!) y, int part, int parts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -788,4 +819,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("quantize_a8", &quantize_a8);
   m.impl("pack_a8", &pack_a8);
   m.impl("linear_a8_packed", &linear_a8_packed);
+  m.impl("linear_a8_packed_part", &linear_a8_packed_part);
 }
