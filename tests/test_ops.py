@@ -117,8 +117,10 @@ def test_mutations_are_declared_in_the_schemas():
     assert writes["paged_attention_out"] == ["out"]
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
     assert writes["decode_layer"] == ["h", "k_cache", "v_cache", "k_scale", "v_scale"]
+    assert writes["quant_gemv_part"] == writes["linear_a8_packed_part"] == ["y"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
-                                                              "add_rms_norm", "rope", "lora_bgmv", "decode_layer"))
+                                                              "add_rms_norm", "rope", "lora_bgmv", "decode_layer",
+                                                              "quant_gemv_part", "linear_a8_packed_part"))
 
 
 def _layer(h, delta, norm_w, qkv_w, cos, sin, k_cache, v_cache, slots, tables, seq_lens, qsl, num_heads: int,
