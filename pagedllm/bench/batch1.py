@@ -47,21 +47,23 @@ def _systems(args) -> tuple[dict[str, Callable[[int], None]], list[str]]:
         engine_warmup(llm)
     ids = corpus(engines["gguf"].engine.tokenizer, args.seed).window(32, random.Random(args.seed + 1))
 
-    def ours(q: str, factored: bool, fused: bool) -> Callable[[int], None]:
+    def ours(q: str, factored: bool, fused: bool, one_region: bool = True) -> Callable[[int], None]:
         def run(n: int) -> None:
-            quant.FACTORED_GEMV, decode_layer.FUSED = factored, fused
+            quant.FACTORED_GEMV, decode_layer.FUSED, decode_layer.ONE_REGION = factored, fused, one_region
             try:
                 engines[q].generate([ids], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
                                     use_tqdm=False)
             finally:
-                quant.FACTORED_GEMV, decode_layer.FUSED = True, True
+                quant.FACTORED_GEMV, decode_layer.FUSED, decode_layer.ONE_REGION = True, True, True
         return run
 
     systems = {
-        "exact (gguf): batch-1 GEMV + one call per layer": ours("gguf", True, True),
+        "exact (gguf): batch-1 GEMV + one call per layer, one parallel region": ours("gguf", True, True),
+        "exact (gguf): batch-1 GEMV + one call per layer, a region per op": ours("gguf", True, True, False),
         "exact (gguf): batch-1 GEMV, per-op layer": ours("gguf", True, False),
         "exact (gguf): gemm.cpp bit-exact, per-op layer (before)": ours("gguf", False, False),
-        "gguf-a8: one call per layer": ours("gguf-a8", True, True),
+        "gguf-a8: one call per layer, one parallel region": ours("gguf-a8", True, True),
+        "gguf-a8: one call per layer, a region per op": ours("gguf-a8", True, True, False),
         "gguf-a8: per-op layer (before)": ours("gguf-a8", True, False),
     }
     if importlib.util.find_spec("llama_cpp") is None:

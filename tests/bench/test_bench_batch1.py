@@ -14,7 +14,7 @@ def test_batch1_quick(tmp_path, capsys):
     assert cli.main(["batch1", "--quick", "--out", str(tmp_path), "--threads", "1", "--decode-tokens", "16"]) == 0
     rep = json.loads((tmp_path / "batch1.json").read_text())
     runs = rep["result"]["runs"]
-    assert len(runs) == 5 + (importlib.util.find_spec("llama_cpp") is not None)
+    assert len(runs) == 7 + (importlib.util.find_spec("llama_cpp") is not None)
     assert all(len(v) == 1 and v[0][0] > 0 and v[0][1] > 0 for v in runs.values())
-    assert quant.FACTORED_GEMV and decode_layer.FUSED
+    assert quant.FACTORED_GEMV and decode_layer.FUSED and decode_layer.ONE_REGION
     assert "CPU ms/token" in capsys.readouterr().out

@@ -10,8 +10,9 @@
 // (pagedllm/models/decode_layer.py checks).
 //
 // On more than one thread (one_region), the layer is one OpenMP parallel region instead of one per GEMV and one in
-// attention: each GEMV is split by rows over the team (quant_gemv_part / linear_a8_packed_part: the same bits as the
-// whole call), the small ops between them (norms, rope + attention, silu) run on thread 0, barriers in between.
+// attention: each GEMV is split by rows into pieces the team's threads claim (quant_gemv_part /
+// linear_a8_packed_part: the same bits as the whole call), the small ops between them (norms, rope + attention,
+// silu) run on the thread that claims them, and no barrier in between (Relay).
 // Every region's start wakes the other thread and its end joins it; the per-op calls made ~150 such round trips a
 // token on SmolLM2 (a wake from a sleeping thread costs 25-45 us), and split gguf-a8's layer matrices so badly
 // that linear_a8_packed keeps them on one thread.
@@ -21,7 +22,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
+#include <atomic>
 #include <exception>
+#include <mutex>
+#include <thread>
 
 namespace {
 
@@ -33,31 +37,53 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-}  // namespace
-
-// Runs one phase of the team's layer unless an earlier phase failed; the first error is kept for the caller, so
-// every thread still reaches every barrier.
-class Phases {
+// The team's phases without barriers: a phase's work is cut into pieces claimed from an atomic counter, so the
+// threads that are running do all of it, and a thread waits only for pieces another has claimed and not finished
+// (spinning, then yielding the core). A thread the OS has parked (another process on its core) holds nothing up
+// unless it was parked mid-piece; at a barrier every thread would wait for it (for whole time slices). The first
+// error is kept for the caller and the phases after it are skipped, each piece still counted done: no thread hangs.
+class Relay {
  public:
+  static constexpr int kMaxPhases = 8;
+
+  // Phase i of the layer (phases run in order of i): pieces of work, piece(p) does piece p.
   template <typename F>
-  void run(F&& f) {
-    if (failed_) return;
-    try {
-      f();
-    } catch (...) {
-#pragma omp critical(pagedllm_decode_layer_error)
-      if (!error_) error_ = std::current_exception();
-      failed_ = true;
+  void phase(int i, int64_t pieces, F&& piece) {
+    Counter& c = counters_[i];
+    for (int64_t p; (p = c.next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
+      if (!failed_.load(std::memory_order_acquire)) {
+        try {
+          piece(p);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!error_) error_ = std::current_exception();
+          failed_.store(true, std::memory_order_release);
+        }
+      }
+      c.done.fetch_add(1, std::memory_order_release);
+    }
+    for (int spins = 0; c.done.load(std::memory_order_acquire) < pieces; ++spins) {
+      if (spins < kSpins) _mm_pause();
+      else std::this_thread::yield();
     }
   }
+
   void rethrow() const {
     if (error_) std::rethrow_exception(error_);
   }
 
  private:
+  static constexpr int kSpins = 4096;  // ~50-100 us of pause: a layer's longest phase (attention) on a free core
+  struct alignas(64) Counter {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  Counter counters_[kMaxPhases];
+  std::atomic<bool> failed_{false};
+  std::mutex mutex_;
   std::exception_ptr error_;
-  volatile bool failed_ = false;
 };
+
+}  // namespace
 
 // h: [1, E] residual stream (updated in place: += delta, then += the attention output); returns the MLP output
 // [1, E] (the next layer's delta). qtypes: the GGUF formats of qkv, o, gate_up and down, rows their output
@@ -99,7 +125,7 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
     return linear(silu_mul.call(linear(x, gate_up_wq, 2)), down_wq, 3);
   }
   // thread t's share of a GEMV into y
-  auto part = [&](const Tensor& x, const Tensor& w, size_t i, const Tensor& y, int t, int n) {
+  auto part = [&](const Tensor& x, const Tensor& w, size_t i, const Tensor& y, int64_t t, int64_t n) {
     if (int8_activations) {
       static const auto a8 = op<void(Tensor, Tensor, int64_t, int64_t, Tensor, int64_t, int64_t)>(
           "pagedllm::linear_a8_packed_part");
@@ -112,29 +138,22 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
   auto out = [&](size_t i) { return torch::empty({1, rows[i]}, h.options()); };
   const Tensor qkv = out(0), o = out(1), gate_up = out(2), down = out(3);
   Tensor x, attn, act;
-  Phases phases;
+  Relay relay;
+  const int64_t pieces = 2 * nthreads;  // per GEMV: a parked thread's share is taken by the others
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) for the team's dispatcher calls
 #pragma omp parallel num_threads(nthreads)
   {
     at::ThreadLocalStateGuard guard(tls);
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    if (t == 0) phases.run([&] { x = norm.call(h, delta, input_norm, eps); });
-#pragma omp barrier
-    phases.run([&] { part(x, qkv_wq, 0, qkv, t, n); });
-#pragma omp barrier
-    if (t == 0) phases.run([&] { attn = attention(qkv); });  // nested regions inside run on this thread alone
-#pragma omp barrier
-    phases.run([&] { part(attn, o_wq, 1, o, t, n); });
-#pragma omp barrier
-    if (t == 0) phases.run([&] { x = norm.call(h, o, post_norm, eps); });
-#pragma omp barrier
-    phases.run([&] { part(x, gate_up_wq, 2, gate_up, t, n); });
-#pragma omp barrier
-    if (t == 0) phases.run([&] { act = silu_mul.call(gate_up); });
-#pragma omp barrier
-    phases.run([&] { part(act, down_wq, 3, down, t, n); });
+    relay.phase(0, 1, [&](int64_t) { x = norm.call(h, delta, input_norm, eps); });
+    relay.phase(1, pieces, [&](int64_t p) { part(x, qkv_wq, 0, qkv, p, pieces); });
+    relay.phase(2, 1, [&](int64_t) { attn = attention(qkv); });  // nested regions inside run on one thread
+    relay.phase(3, pieces, [&](int64_t p) { part(attn, o_wq, 1, o, p, pieces); });
+    relay.phase(4, 1, [&](int64_t) { x = norm.call(h, o, post_norm, eps); });
+    relay.phase(5, pieces, [&](int64_t p) { part(x, gate_up_wq, 2, gate_up, p, pieces); });
+    relay.phase(6, 1, [&](int64_t) { act = silu_mul.call(gate_up); });
+    relay.phase(7, pieces, [&](int64_t p) { part(act, down_wq, 3, down, p, pieces); });
   }
-  phases.rethrow();
+  relay.rethrow();
   return down;
 }
 
