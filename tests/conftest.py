@@ -65,3 +65,12 @@ def wiki_texts() -> list[str]:
     with open(path) as f:
         data = json.load(f)
     return [v["extract"] for v in list(data.values())[:400] if v.get("extract")]
+
+
+@pytest.fixture
+def two_threads():
+    """torch's (OpenMP's) thread count set to 2 for one test, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -57,14 +57,6 @@ def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization
         assert all(torch.equal(a, b) for a, b in zip(kv_got.layer(i), kv_want.layer(i)))
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @needs_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["gguf", "gguf-a8"])

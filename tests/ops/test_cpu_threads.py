@@ -9,14 +9,6 @@ import torch
 from pagedllm.ops.cpu_threads import ThreadGovernor, governor_for
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 class FakeSteps:
     """A clock and forward passes whose duration depends on the thread count they run on."""
 
