@@ -73,7 +73,8 @@ class Relay {
   }
 
  private:
-  static constexpr int kSpins = 4096;  // ~50-100 us of pause: a layer's longest phase (attention) on a free core
+  // pauses before yielding: ~4096 x 65 cycles (Zen 3), ~0.1 ms, longer than a layer's longest phase (attention)
+  static constexpr int kSpins = 4096;
   struct alignas(64) Counter {
     std::atomic<int64_t> next{0}, done{0};
   };
