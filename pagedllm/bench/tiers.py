@@ -39,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", type=int, default=None, help="chat users under way at once (default: one per "
                    "conversation)")
     p.add_argument("--think-time", type=float, default=None, help="chat users' mean think time in s, "
-                   "exponential (default 2.0; quick 0.05)")
+                   "exponential (default 5.0; quick 0.05)")
 
 
 def run_rag(llm, s: Sizes, seed: int, zipf: float) -> RunResult:

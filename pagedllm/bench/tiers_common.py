@@ -27,12 +27,13 @@ class Sizes:
 
     Chat turn sizes depend on ``--arrivals``. ``waves`` keeps the first trace's short turns (32-token system
     prompt and opening, 8-token questions, 4-token answers) so its tables stay comparable. ``users`` follows
-    LMCache's multi-round QA (shared system prompt 1000 tokens, user context 2000, answers 100, questions of
-    ~20) and SGLang HiCache's multi-turn bench (64-token answers) scaled to a 2-core CPU running SmolLM2 in
-    fp32 (~2 ms a prompt token, ~4 ms a decode token at batch): prompts 1/16 (64 + 64), answers 16 tokens
-    (4x the waves' 4, so the history grows by answers, as in a chat), 8-token questions; 200 x 5 turns then
-    cost ~100 computed tokens a returning turn with tiers off, which keeps the four configurations near
-    10 minutes on a quiet machine.
+    LMCache's multi-round QA (one shared system prompt, a user context twice as long, short questions, answers
+    that become history; a user's requests 20 s apart, about 7 answer-times of think) and SGLang HiCache's
+    multi-turn bench (all clients under way at once), scaled to a 2-core CPU running SmolLM2 in fp32 (~2 ms a
+    computed prompt token, ~90 ms a decode step of ~25 rows): a 64-token shared system prompt (twice the
+    waves'), a 32-token opening, 8-token questions, 8-token answers (twice the waves'), and a mean think time
+    of 5 s (7 x an 8-token answer's ~0.7 s). 200 x 5 turns then compute ~80 prompt tokens a returning turn
+    with tiers off and ~16 with them, which keeps the four configurations within ~15 minutes on this shared box.
     """
 
     def __init__(self, args) -> None:
@@ -45,12 +46,12 @@ class Sizes:
         self.conversations = args.conversations or (8 if q else 200)
         self.turns = args.turns or (3 if q else 5)
         self.users = min(getattr(args, "users", None) or self.conversations, self.conversations)
-        self.think_time = getattr(args, "think_time", None) or (0.05 if q else 2.0)  # mean, seconds
+        self.think_time = getattr(args, "think_time", None) or (0.05 if q else 5.0)  # mean, seconds
         self.systems = 2 if q else 4
-        self.system_tokens = 32 if q or not users else 64
-        self.context_tokens = 16 if q else (64 if users else 32)  # the conversation's own opening
+        self.system_tokens = 64 if users and not q else 32
+        self.context_tokens = 16 if q else 32  # the conversation's own opening
         self.user_tokens = 8
-        self.out_tokens = 6 if q and users else (16 if users else 4)
+        self.out_tokens = 6 if q and users else (8 if users else 4)
         self.documents = args.documents or (16 if q else 64)
         self.doc_tokens = 64 if q else 128
         self.rag_requests = args.rag_requests or (24 if q else 200)
