@@ -22,7 +22,15 @@ import tempfile
 from pagedllm.bench.common import RunResult, run_engine
 from pagedllm.bench.report import Report, Table
 from pagedllm.bench.tiers_chat import run_chat_configs
-from pagedllm.bench.tiers_common import Sizes, close, engine, ids, merge, row, tier_bytes
+from pagedllm.bench.tiers_common import (
+    Sizes,
+    close,
+    engine,
+    ids,
+    merge,
+    row,
+    tier_bytes,
+)
 from pagedllm.bench.workloads import BenchRequest
 
 

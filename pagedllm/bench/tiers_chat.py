@@ -21,7 +21,15 @@ import random
 import time
 
 from pagedllm.bench.common import RunResult, run_engine
-from pagedllm.bench.tiers_common import Sizes, close, engine, ids, merge, row, tier_bytes
+from pagedllm.bench.tiers_common import (
+    Sizes,
+    close,
+    engine,
+    ids,
+    merge,
+    row,
+    tier_bytes,
+)
 from pagedllm.bench.workloads import BenchRequest
 
 
