@@ -19,18 +19,11 @@ import random
 import shutil
 import tempfile
 
+from pagedllm.bench import tiers_common as tc
 from pagedllm.bench.common import RunResult, run_engine
 from pagedllm.bench.report import Report, Table
 from pagedllm.bench.tiers_chat import run_chat_configs
-from pagedllm.bench.tiers_common import (
-    Sizes,
-    close,
-    engine,
-    ids,
-    merge,
-    row,
-    tier_bytes,
-)
+from pagedllm.bench.tiers_common import Sizes
 from pagedllm.bench.workloads import BenchRequest
 
 
@@ -52,31 +45,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run_rag(llm, s: Sizes, seed: int, zipf: float) -> RunResult:
     rng = random.Random(seed + 1)
-    docs = [ids(rng, s.doc_tokens) for _ in range(s.documents)]
+    docs = [tc.ids(rng, s.doc_tokens) for _ in range(s.documents)]
     weights = [1 / (i + 1) ** zipf for i in range(s.documents)]
     picks = rng.choices(range(s.documents), weights, k=s.rag_requests)
-    reqs = [BenchRequest(docs[d] + ids(rng, s.question_tokens), s.rag_out) for d in picks]
+    reqs = [BenchRequest(docs[d] + tc.ids(rng, s.question_tokens), s.rag_out) for d in picks]
     # arrivals in small groups: popularity, not one giant batch, decides what stays cached
     runs = [run_engine(llm, reqs[i:i + s.rag_max_num_seqs], desc="rag", progress=False)
             for i in range(0, len(reqs), s.rag_max_num_seqs)]
-    return merge(runs)
+    return tc.merge(runs)
 
 
 def _rag(args, s: Sizes, disk_dir: str) -> list[dict]:
     rows = []
-    probe = engine(args, s, s.rag_l1, s.rag_max_num_seqs)
-    l2 = tier_bytes(probe, s.rag_l2)
+    probe = tc.engine(args, s, s.rag_l1, s.rag_max_num_seqs)
+    l2 = tc.tier_bytes(probe, s.rag_l2)
     probe.engine.shutdown()
     configs = [("tiers off", {}), ("L2, lru", {"kv_offload_memory": l2, "kv_eviction": "lru"}),
                ("L2, reuse", {"kv_offload_memory": l2, "kv_eviction": "reuse"}),
                ("L2 + L3, reuse", {"kv_offload_memory": l2, "kv_disk_path": disk_dir, "kv_eviction": "reuse"}),
                ("after restart (L2 + L3)", {"kv_offload_memory": l2, "kv_disk_path": disk_dir, "kv_eviction": "reuse"})]
     for name, tiers in configs:
-        llm = engine(args, s, s.rag_l1, s.rag_max_num_seqs, **tiers)
+        llm = tc.engine(args, s, s.rag_l1, s.rag_max_num_seqs, **tiers)
         before = llm.engine.kv.stats()
         r = run_rag(llm, s, args.seed, args.zipf)
-        rows.append(row(name, r, r.ttft_s, before, llm.engine.kv.stats(), s.block_size))
-        close(llm, rows[-1])
+        rows.append(tc.row(name, r, r.ttft_s, before, llm.engine.kv.stats(), s.block_size))
+        tc.close(llm, rows[-1])
     return rows
 
 
