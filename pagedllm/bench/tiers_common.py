@@ -32,7 +32,7 @@ class Sizes:
     multi-turn bench (all clients under way at once), scaled to a 2-core CPU running SmolLM2 in fp32 (~2 ms a
     computed prompt token, ~90 ms a decode step of ~25 rows): a 64-token shared system prompt (twice the
     waves'), a 32-token opening, 8-token questions, 8-token answers (twice the waves'), and a mean think time
-    of 5 s (7 x an 8-token answer's ~0.7 s). 200 x 5 turns then compute ~80 prompt tokens a returning turn
+    of 5 s (7 x an 8-token answer's ~0.7 s). 200 x 5 turns then compute ~60 prompt tokens a returning turn
     with tiers off and ~24 with them; the four configurations took 22 min at load 8 (bench/README.md).
     """
 
