@@ -41,6 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "conversation)")
     p.add_argument("--think-time", type=float, default=None, help="chat users' mean think time in s, "
                    "exponential (default 5.0; quick 0.05)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="chat: sequences a step at most (default 32; "
+                   "quick 2); the pool is a quarter of the live working set but at least this many longest prompts")
 
 
 def run_rag(llm, s: Sizes, seed: int, zipf: float) -> RunResult:

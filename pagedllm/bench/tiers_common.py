@@ -57,7 +57,7 @@ class Sizes:
         self.rag_requests = args.rag_requests or (24 if q else 200)
         self.question_tokens = 8 if q else 16
         self.rag_out = 2 if q else 4
-        self.max_num_seqs = 2 if q else 32
+        self.max_num_seqs = getattr(args, "max_num_seqs", None) or (2 if q else 32)
         self.rag_max_num_seqs = 2 if q else 8  # a small pool: a handful of documents fit
         bs = self.block_size
         last_turn = (self.system_tokens + self.context_tokens + self.turns * self.user_tokens
