@@ -28,8 +28,9 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def split(before: dict[str, float], after: dict[str, float], client_ttft_s: list[float]) -> dict[str, float | None]:
-    """Mean ms of each part over the requests between two scrapes, and ``outside``: the client's mean TTFT minus
-    the server's (None where a histogram is missing or counted no request)."""
+    """Mean ms of each part over the requests between two scrapes, ``outside``: the client's mean TTFT minus the
+    server's, and ``before_core``: the server's TTFT less queue and prefill (None where a histogram is missing or
+    counted no request)."""
     def mean_ms(part: str) -> float | None:
         n = after.get(f"{part}_count", 0.0) - before.get(f"{part}_count", 0.0)
         if f"{part}_sum" not in after or n <= 0:
@@ -40,4 +41,8 @@ def split(before: dict[str, float], after: dict[str, float], client_ttft_s: list
     client = 1000 * sum(client_ttft_s) / len(client_ttft_s) if client_ttft_s else None
     out["client"] = client
     out["outside"] = None if client is None or out["ttft"] is None else client - out["ttft"]
+    # the server's own TTFT beyond queue + prefill: the time before its core took the request in (vLLM stamps
+    # its queue start there; ours stamps it at the front end's arrival, so ours is ~0)
+    parts = (out["ttft"], out["queue"], out["prefill"])
+    out["before_core"] = None if None in parts else parts[0] - parts[1] - parts[2]
     return out

@@ -35,7 +35,7 @@ from pagedllm.bench.workloads import BenchRequest, random_requests
 OURS, VLLM = "pagedllm serve", "vLLM CPU serve"
 SERVED_NAME = "smollm2"
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
-SPLIT = ("client", "ttft", "queue", "prefill", "outside")  # serve_split.split's means, ms
+SPLIT = ("client", "ttft", "before_core", "queue", "prefill", "outside")  # serve_split.split's means, ms
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -198,7 +198,8 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None) -> Repo
     if ratio_rows:
         tables.append(Table(["req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], ratio_rows,
                             "pagedllm / vLLM (target: tok/s >= 1.5, TTFT <= 1)", 2))
-    tables.append(Table(["req/s", "system", "client TTFT", "server TTFT", "queue", "prefill", "outside server"],
+    tables.append(Table(["req/s", "system", "client TTFT", "server TTFT", "before core", "queue", "prefill",
+                         "outside server"],
                         [[rate, s, *(avg[s][rate]["split"][p] for p in SPLIT)] for rate in map(str, cfg["rates"])
                          for s in (OURS, VLLM) if rate in avg.get(s, {})],
                         "Where a first token's time goes (means, ms; the servers' /metrics)", 1))
@@ -211,9 +212,10 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None) -> Repo
              f"dtype {dtype} on both servers; servers one at a time, order alternating across rounds.",
              "Client-side timing: TTFT = send -> first text chunk; ITL = gaps between text chunks; out tok/s = the "
              "servers' completion_tokens / (first send -> last end).",
-             "TTFT split: server TTFT = the server's arrival stamp -> first token, = queue (-> first scheduled) + "
-             "prefill (-> first token), from each server's vllm:* histograms; outside server = client TTFT - "
-             "server TTFT (HTTP, parsing, tokenizing, the first token's hand-back, detokenizing, SSE)."]
+             "TTFT split, from each server's vllm:* histograms: server TTFT = its arrival stamp -> first token = "
+             "before core (-> its core takes the request in; ours stamps arrival there) + queue (-> first "
+             "scheduled) + prefill (-> first token); outside server = client TTFT - server TTFT (HTTP, parsing, "
+             "tokenizing, the first token's hand-back, detokenizing, SSE)."]
     notes += [f"{r['system']} round {r['round']}: not run: {r['skipped']}" for r in runs if "skipped" in r]
     if why_not:
         notes.append(f"vLLM not run: {why_not}")
