@@ -28,12 +28,14 @@ from pagedllm.bench.serve_procs import (
     pagedllm_serve_command,
     stop_server,
 )
+from pagedllm.bench.serve_split import scrape, split
 from pagedllm.bench.serve_stats import summarize
 from pagedllm.bench.workloads import BenchRequest, random_requests
 
 OURS, VLLM = "pagedllm serve", "vLLM CPU serve"
 SERVED_NAME = "smollm2"
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+SPLIT = ("client", "ttft", "before_core", "queue", "prefill", "outside")  # serve_split.split's means, ms
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -126,9 +128,11 @@ def serve_round(system: str, args, cfg: dict, dtype: str, vllm_py: str | None, l
     try:
         asyncio.run(drive(url, SERVED_NAME, warm, [0.0] * len(warm)))
         for k, (reqs, arrivals) in enumerate(loads):
+            before = scrape(url)
             results, wall = asyncio.run(drive(url, SERVED_NAME, reqs, arrivals))
-            out.append({"system": system, "rate": cfg["rates"][k], "load": os.getloadavg()[0],
-                        **summarize(results, wall, {})})
+            stats = summarize(results, wall, {})
+            out.append({"system": system, "rate": cfg["rates"][k], "load": os.getloadavg()[0], **stats,
+                        "split": split(before, scrape(url), stats["ttft_s"])})
             a = out[-1]["all"]
             print(f"  {cfg['rates'][k]} req/s: {out[-1]['tok_s']:.1f} out tok/s, TTFT p50 {a['ttft_p50'] or 0:.0f} ms, "
                   f"p99 {a['ttft_p99'] or 0:.0f} ms, {out[-1]['failed']} failed", file=sys.stderr, flush=True)
@@ -175,6 +179,7 @@ def means(runs: list[dict]) -> dict:
         if "skipped" not in r:
             out.setdefault(r["system"], {}).setdefault(str(r["rate"]), []).append(r)
     return {s: {rate: {**{m: mean(metric(x, m) for x in rs) for m in METRICS},
+                       "split": {p: mean(x["split"][p] for x in rs if "split" in x) for p in SPLIT},
                        "completed": sum(x["completed"] for x in rs), "failed": sum(x["failed"] for x in rs)}
                 for rate, rs in by_rate.items()} for s, by_rate in out.items()}
 
@@ -193,6 +198,11 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None) -> Repo
     if ratio_rows:
         tables.append(Table(["req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], ratio_rows,
                             "pagedllm / vLLM (target: tok/s >= 1.5, TTFT <= 1)", 2))
+    tables.append(Table(["req/s", "system", "client TTFT", "server TTFT", "before core", "queue", "prefill",
+                         "outside server"],
+                        [[rate, s, *(avg[s][rate]["split"][p] for p in SPLIT)] for rate in map(str, cfg["rates"])
+                         for s in (OURS, VLLM) if rate in avg.get(s, {})],
+                        "Where a first token's time goes (means, ms; the servers' /metrics)", 1))
     tables.append(Table(["round", "req/s", "system", "load", "out tok/s", "TTFT p50 ms", "TTFT p99 ms"],
                         [[r["round"], str(r["rate"]), r["system"], r["load"], r["tok_s"], r["all"]["ttft_p50"],
                           r["all"]["ttft_p99"]] for r in runs if "skipped" not in r], "Per round, in run order", 1))
@@ -201,7 +211,11 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None) -> Repo
              f"output tokens, greedy, ignore_eos), Poisson arrivals at {', '.join(map(str, cfg['rates']))} req/s; "
              f"dtype {dtype} on both servers; servers one at a time, order alternating across rounds.",
              "Client-side timing: TTFT = send -> first text chunk; ITL = gaps between text chunks; out tok/s = the "
-             "servers' completion_tokens / (first send -> last end)."]
+             "servers' completion_tokens / (first send -> last end).",
+             "TTFT split, from each server's vllm:* histograms: server TTFT = its arrival stamp -> first token = "
+             "before core (-> its core takes the request in; ours stamps arrival there) + queue (-> first "
+             "scheduled) + prefill (-> first token); outside server = client TTFT - server TTFT (HTTP, parsing, "
+             "tokenizing, the first token's hand-back, detokenizing, SSE)."]
     notes += [f"{r['system']} round {r['round']}: not run: {r['skipped']}" for r in runs if "skipped" in r]
     if why_not:
         notes.append(f"vLLM not run: {why_not}")

@@ -234,7 +234,11 @@ class ProcessCoreClient(CoreClient):
         while not self._conn.poll(0.5):
             if not self._proc.is_alive():
                 return ("failed", f"exit code {self._proc.exitcode}")
-        return self._conn.recv()
+        try:
+            return self._conn.recv()
+        except EOFError:  # the child closed the pipe before a word: it died starting (e.g. while importing)
+            self._proc.join(timeout=5)
+            return ("failed", f"exit code {self._proc.exitcode}, before the core was ready")
 
     def _send(self, cmd: tuple) -> None:
         try:

@@ -108,6 +108,7 @@ class ServerMetrics:
                 ttft.observe(m.ttft)
             if m.finished_time is not None:
                 e2e.observe(m.finished_time - m.arrival_time)
+        self.vllm.observe_finished(m)
         self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
 
     def render(self, snapshot: dict) -> bytes:

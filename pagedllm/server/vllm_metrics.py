@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pagedllm.protocol.outputs import RequestMetrics
+
 # name -> (kind, documentation); the values are computed by _values from a pool_stats() snapshot
 _VLLM_ENGINE_METRICS = {
     "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches."),
@@ -53,6 +55,21 @@ class VLLMMetrics:
                                      label, buckets=_BUCKETS, registry=registry).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              label, buckets=_BUCKETS, registry=registry).labels(model_name)
+        # issue 36: TTFT split as vLLM splits it (arrival -> first scheduled -> first token), read by bench serve
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.",
+                               label, buckets=_BUCKETS, registry=registry).labels(model_name)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.",
+                                 label, buckets=_BUCKETS, registry=registry).labels(model_name)
+
+    def observe_finished(self, m: RequestMetrics) -> None:
+        """A finished request's queue and prefill times (a request that never got scheduled has neither)."""
+        if m.first_scheduled_time is None:
+            return
+        self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.prefill.observe(m.first_token_time - m.first_scheduled_time)
 
     def collect(self) -> Iterator[Metric]:
         if self.snapshot is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.bench import serve_vllm
 from pagedllm.bench.serve_vllm import OURS, VLLM
 
@@ -24,9 +26,33 @@ def test_quick_runs_our_server_at_both_rates_and_writes_the_report(tmp_path, cap
         assert (r["completed"], r["failed"]) == (3, 0), r["errors"]
         assert r["tok_s"] > 0 and 0 < r["all"]["ttft_p50"] <= r["all"]["ttft_p99"]
         assert r["all"]["itl_p50"] is not None
+        # the server's TTFT is its queue + prefill; the client, which stamps before and after, sees more
+        sp = r["split"]
+        assert sp["queue"] >= 0 and sp["prefill"] > 0
+        assert sp["queue"] + sp["prefill"] == pytest.approx(sp["ttft"], rel=1e-6)
+        assert sp["before_core"] == pytest.approx(0, abs=1e-6)  # ours: queue starts at the arrival stamp
+        assert sp["outside"] > 0 and sp["client"] == pytest.approx(sp["ttft"] + sp["outside"])
     assert set(res["mean"]) == {OURS} and res["ratios"] == {}
     assert any("vLLM not run: --quick" in n for n in data["notes"])
     assert [t["title"] for t in data["tables"]][0].startswith("Serving under Poisson load")
+    assert any(t["title"].startswith("Where a first token's time goes") for t in data["tables"])
+
+
+def test_split_means_between_two_scrapes():
+    from pagedllm.bench.serve_split import split
+
+    before = {"ttft_sum": 1.0, "ttft_count": 2, "queue_sum": 0.25, "queue_count": 2}
+    after = {"ttft_sum": 1.6, "ttft_count": 5, "queue_sum": 0.4, "queue_count": 5, "prefill_sum": 0.45,
+             "prefill_count": 3}
+    got = split(before, after, [0.25, 0.25, 0.28])
+    assert got["ttft"] == pytest.approx(200) and got["queue"] == pytest.approx(50)
+    assert got["prefill"] == pytest.approx(150) and got["client"] == pytest.approx(260)
+    assert got["outside"] == pytest.approx(60) and got["before_core"] == pytest.approx(0)
+    got = split({}, {"ttft_sum": 1.0, "ttft_count": 2, "queue_sum": 0.1, "queue_count": 2, "prefill_sum": 0.6,
+                     "prefill_count": 2}, [0.6])
+    assert got["before_core"] == pytest.approx(150)  # vLLM's wait before its core registers the request
+    # nothing counted between the scrapes, or a server without the histogram: no figure, not a zero
+    assert split(after, after, [0.2])["ttft"] is None and split({}, {}, [])["outside"] is None
 
 
 def test_vllm_launch_line_and_environment(monkeypatch):

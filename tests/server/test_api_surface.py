@@ -99,6 +99,15 @@ def test_vllm_metric_names_with_model_name(tool_server, client, model, caplog):
     assert m["vllm:e2e_request_latency_seconds_count", model] >= before.get(
         ("vllm:e2e_request_latency_seconds_count", model), 0) + 2
     assert m["vllm:prefix_cache_hits_total", model] > before.get(("vllm:prefix_cache_hits_total", model), 0)
+    delta = {k: m[k, model] - before.get((k, model), 0) for k in (
+        "vllm:time_to_first_token_seconds_sum", "vllm:request_queue_time_seconds_sum",
+        "vllm:request_prefill_time_seconds_sum", "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count")}
+    assert delta["vllm:request_queue_time_seconds_count"] >= 2 and delta["vllm:request_prefill_time_seconds_count"] >= 2
+    # TTFT splits into the wait for a first schedule and the steps until the first token (issue 36)
+    assert delta["vllm:request_prefill_time_seconds_sum"] > 0
+    assert delta["vllm:request_queue_time_seconds_sum"] + delta["vllm:request_prefill_time_seconds_sum"] == \
+        pytest.approx(delta["vllm:time_to_first_token_seconds_sum"], rel=1e-6, abs=1e-6)
     assert any("generation throughput" in r.message and "prefix cache hit rate" in r.message for r in caplog.records)
 
 

@@ -130,3 +130,28 @@ def test_dead_core_gives_errors_not_hangs(live):
         time.sleep(0.1)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+
+
+def test_a_core_that_dies_before_its_first_word_fails_the_start():
+    """A child that closes the pipe without a word (it died importing) is a failed start, not an EOFError
+    escaping the constructor with the exit hook still registered."""
+    import multiprocessing as mp
+
+    from pagedllm.frontend.core_client import ProcessCoreClient
+
+    class DeadChild:
+        exitcode = 1
+        joined = False
+
+        def is_alive(self) -> bool:  # not reaped yet: the pipe's EOF comes first
+            return True
+
+        def join(self, timeout=None) -> None:
+            self.joined = True
+
+    client = ProcessCoreClient.__new__(ProcessCoreClient)
+    client._conn, child_end = mp.Pipe()
+    child_end.close()
+    client._proc = DeadChild()
+    assert client._recv_first() == ("failed", "exit code 1, before the core was ready")
+    assert client._proc.joined
