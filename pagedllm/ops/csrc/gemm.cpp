@@ -322,22 +322,20 @@ void run_panels(const float* x, const WT* w, const float* bias, float* y, int64_
 // 1.19x at 32, 1.06-1.08x at 40-64, 1.00 at 96 and up (the W packing is amortised there), hence XPANEL_MAX_ROWS.
 constexpr int64_t XM = 16, WN = 6, XPANEL_MAX_ROWS = 96;
 
-// xp[t][k][i] = x[16 t + i][k] (xp zeroed: rows past M stay zero)
-void pack_x(const float* x, int64_t M, int64_t K, float* xp) {
+// xp[t][k][i] = x[16 t + i][k] for the 8 rows from m0 (rows past M: zero); xp zeroed
+inline void pack_x8(const float* x, int64_t M, int64_t K, int64_t m0, float* xp) {
   alignas(32) float pad[8 * 8];
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const int64_t t = m0 / XM, i0 = m0 % XM, rows = std::min<int64_t>(8, M - m0);
-    for (int64_t k = 0; k < K; k += 8) {
-      const float* src = x + m0 * K + k;
-      int64_t lds = K;
-      if (rows < 8) {  // the last rows: zero-padded to 8
-        std::fill(pad, pad + 64, 0.f);
-        for (int64_t r = 0; r < rows; ++r) std::copy(src + r * K, src + r * K + 8, pad + r * 8);
-        src = pad;
-        lds = 8;
-      }
-      transpose8x8(src, lds, xp + t * K * XM + k * XM + i0, XM);
+  const int64_t t = m0 / XM, i0 = m0 % XM, rows = std::min<int64_t>(8, M - m0);
+  for (int64_t k = 0; k < K; k += 8) {
+    const float* src = x + m0 * K + k;
+    int64_t lds = K;
+    if (rows < 8) {  // the last rows: zero-padded to 8
+      std::fill(pad, pad + 64, 0.f);
+      for (int64_t r = 0; r < rows; ++r) std::copy(src + r * K, src + r * K + 8, pad + r * 8);
+      src = pad;
+      lds = 8;
     }
+    transpose8x8(src, lds, xp + t * K * XM + k * XM + i0, XM);
   }
 }
 
@@ -397,13 +395,14 @@ inline void xpanel_rows(const float* xp, int64_t M, int64_t K, const float* w, i
 template <typename WT>
 void run_xpanels(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   std::vector<float> xp(((M + XM - 1) / XM) * XM * K);  // zeroed
-  pack_x(x, M, K, xp.data());
   const int64_t tiles = (N + WN - 1) / WN;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
   const int64_t row_elems = kBlocks<WT> ? K / 32 : K;  // W's row stride in WT units
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> rows(std::is_same_v<WT, float> ? 0 : WN * K);
+#pragma omp for schedule(static)  // the x panels, 8 rows a task (the loop's barrier: all packed before use)
+    for (int64_t m0 = 0; m0 < M; m0 += 8) pack_x8(x, M, K, m0, xp.data());
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t n = t * WN, nr = std::min<int64_t>(WN, N - n);
