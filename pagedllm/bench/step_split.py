@@ -1,6 +1,6 @@
 """Where a whole W1 run's step time goes, by part (issue 36, item 4): ``pagedllm bench steptime --w1``.
 
-Every part is timed by wrapping the function that does it, in this process, and charged its **exclusive** wall
+Every part is timed by wrapping the function that does it, in this process, and charged its **exclusive** wall and CPU
 time: a part called inside another (a GEMM inside a decoder layer) counts for itself, not for its caller, so the
 parts add up to the steps' time and "other" is what no part covers. Opaque parts (the LM head, the sampler, the
 batch-1 fused layer) are timed whole: nothing inside them is split out.
