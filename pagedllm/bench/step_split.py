@@ -184,7 +184,8 @@ def split_tables(r: dict) -> list:
         return [label, w, 100 * w / r["step_s"], c, 100 * c / r["step_cpu_s"], 1000 * w / steps]
 
     rows = [row(p, [p]) for p in sorted(cpu, key=cpu.get, reverse=True) if wall[p] > 0]
-    rows += [row("= attention (both)", ATTENTION), row("= norms, rotary, silu", ("add + RMSNorm", "rotary", "silu * up")),
+    rows += [row("= attention (both)", ATTENTION),
+             row("= norms, rotary, silu", ("add + RMSNorm", "rotary", "silu * up")),
              row("= Python per step (host parts + other)", HOST_PARTS), row(STEP, list(wall))]
     split = Table(["part", "wall s", "% wall", "CPU s", "% CPU", "wall ms / step"], rows,
                   f"W1 step time by part ({steps} steps, {r['output_tokens']} output tokens)", digits=2)

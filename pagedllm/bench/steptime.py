@@ -98,10 +98,10 @@ def run_w1(args) -> Report:
     r = measure_w1(llm, reqs)
     model = llm.engine.forward_pass.model
     rep = Report("steptime", "W1 step time by part",
-                 [f"W1: {w['num']} requests, prompts {w['prompt_range']}, outputs {w['output_range']}, greedy, "
-                  f"ignore_eos; SmolLM2-135M, {model.act_dtype}, quantization {model.quantization}, "
-                  f"{torch.get_num_threads()} torch threads; {r['output_tokens'] / r['elapsed_s']:.1f} out tok/s "
-                  "with the timers on; exclusive wall and CPU time per part (a part inside another counts for itself)"])
+                 [(f"W1: {w['num']} requests, prompts {w['prompt_range']}, outputs {w['output_range']}, greedy, "
+                   f"ignore_eos; SmolLM2-135M, {model.act_dtype}, quantization {model.quantization}, "
+                   f"{torch.get_num_threads()} torch threads; {r['output_tokens'] / r['elapsed_s']:.1f} out tok/s "
+                   "with the timers on; exclusive wall and CPU time per part (a part inside another counts for itself)")])
     rep.tables += split_tables(r)
     rep.result = {"w1": r}
     return rep

@@ -18,9 +18,8 @@ def test_exclusive_timers_charge_nested_parts_to_themselves():
     with timers.part("outer"):
         with timers.part("inner"):
             sum(range(20000))
-        with timers.part("opaque", opaque=True):
-            with timers.part("hidden"):  # inside an opaque part: not timed
-                sum(range(20000))
+        with timers.part("opaque", opaque=True), timers.part("hidden"):  # inside an opaque part: not timed
+            sum(range(20000))
     assert set(timers.seconds) == {"outer", "inner", "opaque"} and timers.calls["inner"] == 1
     assert all(v >= 0 for v in timers.seconds.values()) and all(v >= 0 for v in timers.cpu.values())
 
@@ -35,7 +34,7 @@ def test_split_attention_equals_one_kernel_call(query_lens, seq_lens):
         pytest.skip("no C++ compiler: the cpu backend cannot be built")
     backend = get_backend("cpu")
     b = make_random_batch(query_lens, seq_lens, seed=3)
-    T, H, D = b.q.shape
+    T, H, _ = b.q.shape
     qkv = torch.cat([b.q.reshape(T, -1), b.k.reshape(T, -1), b.v.reshape(T, -1)], 1)
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     want = backend.forward_qkv(qkv, H, kc, vc, b.meta, b.scale)

@@ -83,10 +83,10 @@ def test_row_broadcast_path_gives_the_panels_bits(monkeypatch, wdtype, m, n, k):
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     if isinstance(wdtype, str):
         w, _ = make_weight(next(q for q in QTYPES if q.name.lower() == wdtype), n, k, seed=m + n)
-        run = lambda bias: quantized_linear(x, w, bias)  # noqa: E731
+        run = lambda bias: quantized_linear(x, w, bias)
     else:
         w = torch.randn(n, k, generator=g).to(wdtype)
-        run = lambda bias: kernel.linear(x, w, bias)  # noqa: E731
+        run = lambda bias: kernel.linear(x, w, bias)
     new = [run(b), run(None)]
     monkeypatch.setenv("PAGEDLLM_PANEL_GEMM", "1")
     old = [run(b), run(None)]
