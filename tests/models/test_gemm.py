@@ -66,28 +66,3 @@ def test_bad_shapes_raise():
         kernel.linear(torch.randn(1, 12), torch.randn(4, 12), None)
     with pytest.raises(RuntimeError, match="float32"):
         kernel.linear(torch.randn(1, 16).double(), torch.randn(4, 16), None)
-
-
-@needs_kernel
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, "q4_1", "q8_0"])
-@pytest.mark.parametrize("m", [16, 17, 20, 24, 25, 40, 95])  # the row-broadcast path: 16 to 95 rows
-@pytest.mark.parametrize("n,k", [(7, 64), (45, 576), (13, 1536)])
-def test_row_broadcast_path_gives_the_panels_bits(monkeypatch, wdtype, m, n, k):
-    """W1's decode steps (16-95 rows) pack x instead of W (ops/csrc/gemm.cpp): the same sequential sums over k as
-    W's panels (``PAGEDLLM_PANEL_GEMM=1``, read at every call), so the same bits, with and without bias, for every
-    weight format, a last x panel of 1-15 rows and a last row tile of W of 1-5 rows included."""
-    from pagedllm.models.quant import quantized_linear
-    from tests.models.test_quant import QTYPES, make_weight
-
-    g = torch.Generator().manual_seed(m * 31 + n + k)
-    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-    if isinstance(wdtype, str):
-        w, _ = make_weight(next(q for q in QTYPES if q.name.lower() == wdtype), n, k, seed=m + n)
-        run = lambda bias: quantized_linear(x, w, bias)
-    else:
-        w = torch.randn(n, k, generator=g).to(wdtype)
-        run = lambda bias: kernel.linear(x, w, bias)
-    new = [run(b), run(None)]
-    monkeypatch.setenv("PAGEDLLM_PANEL_GEMM", "1")
-    old = [run(b), run(None)]
-    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])

@@ -16,8 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -312,132 +310,13 @@ void run_panels(const float* x, const WT* w, const float* bias, float* y, int64_
   }
 }
 
-// ---- Row-broadcast path for PANEL_MIN_ROWS <= M < XPANEL_MAX_ROWS (W1's decode steps) ----------------------
-// Packing W into panels costs a dequantization and a transpose per weight on every call, a quarter of a 32-row
-// GEMM's time on Q4_1 blocks. Here x is packed instead (x[M, K] into K-major panels of 16 rows: M x K floats per
-// call, shared by every row of W), and WN rows of W at a time are only widened into fp32 rows (fp32 W: read in
-// place), each weight broadcast against 16 rows of x: per k, two x loads and WN broadcasts feed 2 WN FMAs, as in
-// the panel tiles. Every output is the same sequential sum over k as there (then + bias): the same bits.
-// Measured on one Zen 3 core, one SmolLM2 layer on Q4_1 blocks (CPU time, old panels / these): 1.34x at 16 rows,
-// 1.19x at 32, 1.06-1.08x at 40-64, 1.00 at 96 and up (the W packing is amortised there), hence XPANEL_MAX_ROWS.
-constexpr int64_t XM = 16, WN = 6, XPANEL_MAX_ROWS = 96;
-
-// xp[t][k][i] = x[16 t + i][k] for the 8 rows from m0 (rows past M: zero); xp zeroed
-inline void pack_x8(const float* x, int64_t M, int64_t K, int64_t m0, float* xp) {
-  alignas(32) float pad[8 * 8];
-  const int64_t t = m0 / XM, i0 = m0 % XM, rows = std::min<int64_t>(8, M - m0);
-  for (int64_t k = 0; k < K; k += 8) {
-    const float* src = x + m0 * K + k;
-    int64_t lds = K;
-    if (rows < 8) {  // the last rows: zero-padded to 8
-      std::fill(pad, pad + 64, 0.f);
-      for (int64_t r = 0; r < rows; ++r) std::copy(src + r * K, src + r * K + 8, pad + r * 8);
-      src = pad;
-      lds = 8;
-    }
-    transpose8x8(src, lds, xp + t * K * XM + k * XM + i0, XM);
-  }
-}
-
-// y[m0 + i][j] = sum_k xp[k][i] * w[j][k] (+ bias[j]) for i < mr rows of the x panel (XV vectors of 8 rows: one for
-// a last panel of up to 8 rows), j < NR rows of W
-template <int NR, int XV>
-inline void xpanel_tile(const float* xp, int64_t K, const float* w, float* y, int64_t ldy, int64_t mr,
-                        const float* bias) {
-  __m256 c[NR][XV];
-#pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j)
-    for (int v = 0; v < XV; ++v) c[j][v] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 xv[XV];
-    for (int v = 0; v < XV; ++v) xv[v] = _mm256_loadu_ps(xp + k * XM + 8 * v);
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      const __m256 wv = _mm256_broadcast_ss(w + j * K + k);
-      for (int v = 0; v < XV; ++v) c[j][v] = _mm256_fmadd_ps(xv[v], wv, c[j][v]);
-    }
-  }
-  alignas(32) float out[NR][XM];
-#pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j)
-    for (int v = 0; v < XV; ++v) _mm256_store_ps(out[j] + 8 * v, c[j][v]);
-  for (int64_t i = 0; i < mr; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = bias ? out[j][i] + bias[j] : out[j][i];
-}
-
-template <int XV>
-inline void xpanel_any(const float* xt, int64_t K, const float* w, int64_t nr, float* yt, int64_t N, int64_t mr,
-                       const float* bias) {
-  switch (nr) {
-    case 6: return xpanel_tile<6, XV>(xt, K, w, yt, N, mr, bias);
-    case 5: return xpanel_tile<5, XV>(xt, K, w, yt, N, mr, bias);
-    case 4: return xpanel_tile<4, XV>(xt, K, w, yt, N, mr, bias);
-    case 3: return xpanel_tile<3, XV>(xt, K, w, yt, N, mr, bias);
-    case 2: return xpanel_tile<2, XV>(xt, K, w, yt, N, mr, bias);
-    default: return xpanel_tile<1, XV>(xt, K, w, yt, N, mr, bias);
-  }
-}
-
-// Every x panel against nr (<= WN) fp32 rows of W
-inline void xpanel_rows(const float* xp, int64_t M, int64_t K, const float* w, int64_t nr, float* y, int64_t N,
-                        const float* bias) {
-  for (int64_t m = 0; m < M; m += XM) {
-    const int64_t mr = std::min<int64_t>(XM, M - m);
-    if (mr > 8)
-      xpanel_any<2>(xp + (m / XM) * K * XM, K, w, nr, y + m * N, N, mr, bias);
-    else
-      xpanel_any<1>(xp + (m / XM) * K * XM, K, w, nr, y + m * N, N, mr, bias);
-  }
-}
-
-// Each thread takes a contiguous range of WN-row tiles of W, widened (blocks, bf16) into an L1/L2-resident buffer once
-// for every x panel.
-template <typename WT>
-void run_xpanels(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  std::vector<float> xp(((M + XM - 1) / XM) * XM * K);  // zeroed
-  const int64_t tiles = (N + WN - 1) / WN;
-  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
-  const int64_t row_elems = kBlocks<WT> ? K / 32 : K;  // W's row stride in WT units
-#pragma omp parallel num_threads(nthreads)
-  {
-    std::vector<float> rows(std::is_same_v<WT, float> ? 0 : WN * K);
-#pragma omp for schedule(static)  // the x panels, 8 rows a task (the loop's barrier: all packed before use)
-    for (int64_t m0 = 0; m0 < M; m0 += 8) pack_x8(x, M, K, m0, xp.data());
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t n = t * WN, nr = std::min<int64_t>(WN, N - n);
-      const WT* wn = w + n * row_elems;
-      const float* wf;
-      if constexpr (std::is_same_v<WT, float>) {
-        wf = wn;
-      } else if constexpr (kBlocks<WT>) {
-        dequant_rows(wn, nr, K, rows.data());
-        wf = rows.data();
-      } else {  // bf16 rows: widen
-        for (int64_t i = 0; i < nr * K; i += 8) _mm256_storeu_ps(rows.data() + i, load8(wn + i));
-        wf = rows.data();
-      }
-      xpanel_rows(xp.data(), M, K, wf, nr, y + n, N, bias ? bias + n : nullptr);
-    }
-  }
-}
-
-// PAGEDLLM_PANEL_GEMM=1: every GEMM from PANEL_MIN_ROWS rows on packs W into panels, as before the row-broadcast
-// path (the same outputs; for A/B timings in one process: read at every call, ~0.1 us)
-inline bool xpanels_on() {
-  const char* v = std::getenv("PAGEDLLM_PANEL_GEMM");
-  return v == nullptr || std::string(v) != "1";
-}
-
 // Rows of W per tile. fp32 / bf16 rows and the dequantization buffer: 8 for one row of x (more loads in flight),
 // else 4 (the 2x4 tile fits the registers). Q4_1 blocks: 4 for up to 3 rows of x (at least 8 accumulators keep
 // both FMA pipes busy through their 4-cycle latency), else 2 (up to 8 x 2 tiles); Q8_0 blocks from 5 rows: 1 (the
 // fastest measured). From PANEL_MIN_ROWS rows on, the outer-product panels.
 template <typename WT>
 void dispatch(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  if (M >= PANEL_MIN_ROWS && M < XPANEL_MAX_ROWS && xpanels_on())
-    run_xpanels<WT>(x, w, bias, y, M, N, K);
-  else if (M >= PANEL_MIN_ROWS)
+  if (M >= PANEL_MIN_ROWS)
     run_panels<WT>(x, w, bias, y, M, N, K);
   else if (M == 1 && !in_registers<WT>(M))
     run<WT, 8>(x, w, bias, y, M, N, K);
