@@ -1,4 +1,5 @@
-"""``pagedllm bench steptime``: where a decode step's host time goes (issue 30, item 1 on the CPU).
+"""``pagedllm bench steptime``: where a decode step's host time goes (issue 30, item 1 on the CPU); with
+``--w1``, where a whole W1 run's step time goes, model ops included (issue 36, item 4: ``bench/step_split.py``).
 
 Runs greedy and sampled decode at a few batch sizes through ``LLMEngine.step`` with the step's parts
 timed by wrapping their methods in this process: scheduling, the core's diff for the worker, the
@@ -76,10 +77,43 @@ def _breakdown(llm, batch: int, steps: int, temperature: float) -> dict[str, flo
     return ms
 
 
+def add_args(p) -> None:
+    p.add_argument("--w1", action="store_true",
+                   help="time a whole W1 run (64 requests, prompts 32-512, outputs 16-256) by part instead: GEMMs, "
+                        "attention (decode / prefill), norms, LM head, sampler, the Python per step")
+
+
+def run_w1(args) -> Report:
+    """W1 (``--quick``: its tiny version) once untimed to warm up, then once with every part timed."""
+    import torch
+
+    from pagedllm.bench.common import engine_warmup, make_llm
+    from pagedllm.bench.step_split import measure_w1, split_tables
+    from pagedllm.bench.workloads import W1, W1_QUICK, random_requests
+
+    w = W1_QUICK if args.quick else W1
+    llm = make_llm(args.dtype, seed=args.seed, **args.engine_args)
+    reqs = random_requests(llm.engine.tokenizer, w["num"], w["prompt_range"], w["output_range"], seed=args.seed)
+    engine_warmup(llm)
+    r = measure_w1(llm, reqs)
+    model = llm.engine.forward_pass.model
+    rep = Report("steptime", "W1 step time by part",
+                 [(f"W1: {w['num']} requests, prompts {w['prompt_range']}, outputs {w['output_range']}, greedy, "
+                   f"ignore_eos; SmolLM2-135M, {model.act_dtype}, quantization {model.quantization}, "
+                   f"{torch.get_num_threads()} torch threads; {r['output_tokens'] / r['elapsed_s']:.1f} out tok/s "
+                   "with the timers on; exclusive wall and CPU time per part (a part inside another counts for itself)")])
+    rep.tables += split_tables(r)
+    rep.result = {"w1": r}
+    return rep
+
+
 def run(args) -> Report:
     import torch
 
     from pagedllm.entrypoints.llm import LLM
+
+    if getattr(args, "w1", False):
+        return run_w1(args)
 
     sizes = [1, 4] if args.quick else [1, 16, 64]
     steps = 4 if args.quick else 32
@@ -104,6 +138,14 @@ def run(args) -> Report:
 
 def plot(fig, result: dict) -> None:
     ax = fig.add_subplot(111)
+    if "w1" in result:
+        sec = result["w1"]["cpu_s"]
+        labels = sorted(sec, key=sec.get)
+        ax.barh(range(len(labels)), [100 * sec[k] / result["w1"]["step_cpu_s"] for k in labels])
+        ax.set_yticks(range(len(labels)), labels, fontsize=6)
+        ax.set_xlabel("% of W1 step CPU time")
+        ax.set_title("W1 step time by part")
+        return
     cols = list(result["ms"])
     bottom = [0.0] * len(cols)
     for part in [*PARTS, "other"]:
