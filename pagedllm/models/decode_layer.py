@@ -8,8 +8,8 @@ attention backend without its SDPA prefill, no q/k norm or biases, no LoRA and n
 ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
 
 On more than one thread the call runs the layer in one OpenMP parallel region (the GEMVs split by rows over the
-team, barriers between the phases) instead of a region per GEMV and in attention: the same bits on any thread
-count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region per op (A/B benchmarks).
+team, the phases handed over through atomic counters, not barriers) instead of a region per GEMV and in attention:
+the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region per op (A/B benchmarks).
 """
 
 from __future__ import annotations
