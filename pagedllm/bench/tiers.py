@@ -68,9 +68,9 @@ def _rag(args, s: Sizes, disk_dir: str) -> list[dict]:
                ("after restart (L2 + L3)", {"kv_offload_memory": l2, "kv_disk_path": disk_dir, "kv_eviction": "reuse"})]
     for name, tiers in configs:
         llm = tc.engine(args, s, s.rag_l1, s.rag_max_num_seqs, **tiers)
-        before = llm.engine.kv.stats()
+        before = llm.engine.pool_stats()
         r = run_rag(llm, s, args.seed, args.zipf)
-        rows.append(tc.row(name, r, r.ttft_s, before, llm.engine.kv.stats(), s.block_size))
+        rows.append(tc.row(name, r, r.ttft_s, before, llm.engine.pool_stats(), s.block_size))
         tc.close(llm, rows[-1])
     return rows
 

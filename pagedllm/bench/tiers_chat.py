@@ -49,9 +49,10 @@ def think_times(s: Sizes, seed: int) -> list[list[float]]:
 
 
 def run_waves(llm, s: Sizes, seed: int, replay: list[list[BenchRequest]] | None = None) -> dict:
-    """The chat trace turn by turn (or ``replay``: given waves of requests); per-turn results and prompts."""
+    """The chat trace turn by turn (or ``replay``: given waves of requests); per-turn results and prompts, and
+    the engine's ``pool_stats`` before each wave and after the last (``stats``: per-tier hits of any turns)."""
     hist, questions = chat_trace(s, seed)
-    waves, runs = [], []
+    waves, runs, stats = [], [], [llm.engine.pool_stats()]
     for t in range(s.turns if replay is None else len(replay)):
         if replay is None:
             reqs = [BenchRequest(hist[c] + questions[c][t], s.out_tokens) for c in range(s.conversations)]
@@ -63,7 +64,8 @@ def run_waves(llm, s: Sizes, seed: int, replay: list[list[BenchRequest]] | None 
                 hist[c] = reqs[c].prompt_ids + list(o.outputs[0].token_ids)
         waves.append(reqs)
         runs.append(r)
-    return {"waves": waves, "runs": runs}
+        stats.append(llm.engine.pool_stats())
+    return {"waves": waves, "runs": runs, "stats": stats}
 
 
 def run_users(llm, s: Sizes, seed: int, replay: dict[tuple[int, int], list[int]] | None = None,
@@ -130,6 +132,7 @@ def users_row(name: str, res: dict, before: dict, after: dict, s: Sizes) -> dict
 
 
 def waves_row(name: str, runs: list[RunResult | None], before: dict, after: dict, s: Sizes) -> dict:
+    """Every column over the returning turns (``runs[1:]``; ``before`` / ``after``: the stats around them)."""
     returning = [r for r in runs[1:] if r is not None]
     merged = merge(returning)
     out = row(name, merged, [t for r in returning for t in r.ttft_s], before, after, s.block_size)
@@ -152,24 +155,24 @@ def run_chat_configs(args, s: Sizes, disk_dir: str) -> list[dict]:
             l2_bytes = l2_bytes or tier_bytes(llm, s.chat_l2)
             llm.engine.shutdown()
             llm = engine(args, s, s.chat_l1, s.max_num_seqs, **{**tiers, "kv_offload_memory": l2_bytes})
-        before = llm.engine.kv.stats()
         if users:
+            before = llm.engine.pool_stats()
             res = run_users(llm, s, args.seed)
-            rows.append(users_row(name, res, before, llm.engine.kv.stats(), s))
+            rows.append(users_row(name, res, before, llm.engine.pool_stats(), s))
             replay = res["prompts"]
         else:
             res = run_waves(llm, s, args.seed)
-            rows.append(waves_row(name, res["runs"], before, llm.engine.kv.stats(), s))
+            rows.append(waves_row(name, res["runs"], res["stats"][1], res["stats"][-1], s))
             replay = res["waves"][1:]
         close(llm, rows[-1])
     llm = engine(args, s, s.chat_l1, s.max_num_seqs, kv_offload_memory=l2_bytes, kv_disk_path=disk_dir)
-    before = llm.engine.kv.stats()
     name = "after restart (L2 + L3)"
     if users:
+        before = llm.engine.pool_stats()
         rows.append(users_row(name, run_users(llm, s, args.seed, replay, first_turn=1), before,
-                              llm.engine.kv.stats(), s))
+                              llm.engine.pool_stats(), s))
     else:
-        rows.append(waves_row(name, [None] + run_waves(llm, s, args.seed, replay)["runs"], before,
-                              llm.engine.kv.stats(), s))
+        res = run_waves(llm, s, args.seed, replay)
+        rows.append(waves_row(name, [None] + res["runs"], res["stats"][0], res["stats"][-1], s))
     close(llm, rows[-1])
     return rows

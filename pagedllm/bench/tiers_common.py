@@ -82,19 +82,20 @@ def merge(runs: list[RunResult]) -> RunResult:
     return out
 
 
-def _tier_tokens(before: dict, after: dict, bs: int) -> tuple[int, int]:
-    host = after.get("host_tier_promoted_blocks", 0) - before.get("host_tier_promoted_blocks", 0)
-    disk = after.get("disk_tier_promoted_blocks", 0) - before.get("disk_tier_promoted_blocks", 0)
-    return host * bs, disk * bs
+def _tier_tokens(before: dict, after: dict) -> tuple[int, int]:
+    """Hit tokens whose blocks L2 / L3 promoted for the request that hit them, between two engine snapshots
+    (counted when the hit is scheduled; a promoted block evicted unused, or promoted twice, is not a hit)."""
+    return tuple(after[f"prompt_tokens_cached_{t}"] - before[f"prompt_tokens_cached_{t}"] for t in ("host", "disk"))
 
 
 def row(name: str, r: RunResult, ttfts: list[float], before: dict, after: dict, bs: int) -> dict:
-    """One configuration: TTFT over ``ttfts``, throughput and computed tokens of ``r``, hits per tier."""
-    l2, l3 = _tier_tokens(before, after, bs)
+    """One configuration: TTFT over ``ttfts``, throughput and computed tokens of ``r``, hits per tier
+    (``before`` / ``after``: the engine's ``pool_stats`` around the run)."""
+    l2, l3 = _tier_tokens(before, after)
     cached = r.extra["prompt_tokens_cached"]
     return {"config": name, "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "out_tok_s": r.output_tok_s, "req_s": r.requests_per_s, "elapsed_s": r.elapsed_s,
-            "hit_tokens": cached, "l1_hit_tokens": max(cached - l2 - l3, 0), "l2_hit_tokens": l2, "l3_hit_tokens": l3,
+            "hit_tokens": cached, "l1_hit_tokens": cached - l2 - l3, "l2_hit_tokens": l2, "l3_hit_tokens": l3,
             "prompt_tokens": r.prompt_tokens, "computed_tokens": r.extra["prompt_tokens_computed"],
             "promotion_ms": 1000 * after.get("promotion_seconds_mean", 0.0),
             "promotion_ms_per_block": _promotion_ms_per_block(after),

@@ -51,6 +51,8 @@ class EngineStats:
     num_steps: int = 0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
+    # of the cached, those promoted from a tier below the pool for the request that hit them ("host", "disk")
+    prompt_tokens_cached_tier: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     generation_tokens: int = 0
     num_preemptions: int = 0
     num_requests_finished: int = 0
@@ -361,6 +363,8 @@ class EngineCore:
                 continue
             self._take_samples(seq, out, c.num_spec)
         self.stats.prompt_tokens_cached += sched.num_prefix_hit_tokens
+        for tier, n in sched.tier_hit_tokens.items():
+            self.stats.prompt_tokens_cached_tier[tier] += n
         if beams:
             self.beam.step(beams)
         now = time.monotonic()
@@ -511,6 +515,8 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.stats.prompt_tokens_computed,
             "prompt_tokens_cached": self.stats.prompt_tokens_cached,
+            "prompt_tokens_cached_host": self.stats.prompt_tokens_cached_tier["host"],
+            "prompt_tokens_cached_disk": self.stats.prompt_tokens_cached_tier["disk"],
             "generation_tokens": self.stats.generation_tokens,
             "num_steps": self.stats.num_steps,
             "kv_dtype": self.spec.kv_pool["dtype"],

@@ -70,6 +70,7 @@ class Schedule:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)  # of those, from blocks a tier below promoted
     lora_pages: list = field(default_factory=list)  # issue 32: adapters the worker stores in their pages first
 
     @property
@@ -190,6 +191,8 @@ class Scheduler:
                 seq.num_computed += hit
                 req.metrics.num_cached_tokens += hit
                 out.num_prefix_hit_tokens += hit
+                for tier, tokens in prefix.tier_tokens.items():
+                    out.tier_hit_tokens[tier] = out.tier_hit_tokens.get(tier, 0) + tokens
             seq.status = SequenceStatus.PREFILLING if seq.num_uncomputed > 1 else SequenceStatus.DECODING
             budget[0] -= n + len(spec)
             scheduled.add(seq.seq_id)
@@ -344,6 +347,7 @@ class Scheduler:
     def _try_admit(self, req: Request, budget: list[int], out: Schedule, scheduled: set[int]) -> bool:
         """Schedule ``req``'s first chunk; on failure undo everything it got this step."""
         before, cached, hit = len(out.chunks), req.metrics.num_cached_tokens, out.num_prefix_hit_tokens
+        tier_hit = dict(out.tier_hit_tokens)
         if self._schedule_seqs(req, budget, out, scheduled, partial_ok=True, prefix_first=True) and (
             len(out.chunks) > before
         ):
@@ -360,5 +364,5 @@ class Scheduler:
             if self.kv.has_seq(s.seq_id):
                 self.kv.free(s.seq_id)
             s.num_computed = 0
-        req.metrics.num_cached_tokens, out.num_prefix_hit_tokens = cached, hit
+        req.metrics.num_cached_tokens, out.num_prefix_hit_tokens, out.tier_hit_tokens = cached, hit, tier_hit
         return False

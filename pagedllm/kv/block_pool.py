@@ -19,7 +19,7 @@ class Block:
     """One physical block. ``prev``/``next`` link it into a free queue (both None when in use)."""
 
     __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "depth", "hits", "reuse_key", "generation",
-                 "prev", "next")
+                 "tier", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -30,6 +30,9 @@ class Block:
         self.hits = 0  # tiers' reuse-aware eviction scores when the block is demoted
         self.reuse_key = NO_KEY  # the pool's reuse eviction: decayed uses of this content (kv/reuse_score.py)
         self.generation = 0  # of its latest entry in that policy's heap
+        # "host" / "disk": its content was promoted from that tier and no sequence has taken it since, so the
+        # first prefix hit on it is that tier's hit (the per-tier hit counts); None: computed here, or taken
+        self.tier: str | None = None
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -178,6 +181,7 @@ class BlockPool:
         b.depth = depth
         b.hits = 0
         b.reuse_key = NO_KEY
+        b.tier = None
 
     def drop_hash(self, b: Block, evicted: bool = True) -> None:
         """Forget a block's hash (its content is gone or about to change); a free cached block
@@ -192,6 +196,7 @@ class BlockPool:
             self.cached.remove(b)
         b.block_hash = None
         b.token_ids = None
+        b.tier = None
         if queued:
             self.unhashed.append(b)
 

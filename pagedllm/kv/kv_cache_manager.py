@@ -56,7 +56,7 @@ class _Load:
     extra: tuple
     start: int
     t0: float
-    disk_blocks: int  # of the run, read from disk (the rest is in L2)
+    where: list[str]  # the tier of each block from ``start`` ("host" or "disk")
 
 
 @dataclass(slots=True)
@@ -69,6 +69,7 @@ class _Run:
     start: int
     data: dict
     t0: float
+    where: Sequence[str]  # the tier of each block from ``start``, for the per-tier hit counts
 
 
 # Disk reads a schedule asks for are done in line (in the scheduler's thread) while their expected times add up
@@ -323,12 +324,12 @@ class KVCacheManager:
                 return False
             m, t0 = len(where), time.perf_counter()
             if "disk" not in where:
-                self._land([_Run(hashes[:k + m], token_ids, extra, k, self.tiers.load_host(hashes[k:k + m]), t0)])
+                self._land([_Run(hashes[:k + m], token_ids, extra, k, self.tiers.load_host(hashes[k:k + m]), t0,
+                                 where)])
                 return False
-            n_disk = where.count("disk")
-            inline = self._read_fits(n_disk)
+            inline = self._read_fits(where.count("disk"))
             load = self._loads[hashes[k]] = _Load(self.tiers.load_disk(hashes[k:k + m], tokens[:m], where, inline),
-                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0, n_disk)
+                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0, where)
             if inline:
                 self._waited_s += time.perf_counter() - t0
         if wait:
@@ -356,7 +357,7 @@ class KVCacheManager:
                 del self._loads[key]
                 data, m = ld.future.result()
                 if m:
-                    runs.append(_Run(ld.hashes[:ld.start + m], ld.token_ids, ld.extra, ld.start, data, ld.t0))
+                    runs.append(_Run(ld.hashes[:ld.start + m], ld.token_ids, ld.extra, ld.start, data, ld.t0, ld.where))
         if runs:
             self._land(runs)
 
@@ -389,6 +390,8 @@ class KVCacheManager:
                 for b in ids:
                     self.prefix_cache.remove(b)
                 return
+            for b, (run, pos) in landing.items():
+                self.pool.blocks[b].tier = run.where[pos]
         now = time.perf_counter()
         for run in runs:
             self.tiers.record_promotion(now - run.t0)
@@ -469,6 +472,7 @@ class KVCacheManager:
         if prefix is not None and pre:
             for b in pre:
                 pool.incref(b)
+                pool.blocks[b].tier = None  # taken: a later hit on it is the pool's (prefix.tier_tokens counted this one)
             table.extend(pre)
             st.hashes = list(prefix.hashes)
             st.num_registered = len(pre)

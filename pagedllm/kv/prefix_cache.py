@@ -88,6 +88,8 @@ class PrefixMatch:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hashes of ``blocks``, reused later
+    # of ``num_tokens``, those in blocks promoted from a tier below the pool and not taken since ("host", "disk")
+    tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class PrefixCache:
@@ -139,13 +141,16 @@ class PrefixCache:
             if record:
                 pool_blocks[bid].hits += 1
         num = len(blocks) * bs
-        if not record:
-            return PrefixMatch(blocks, num, hashes)
-        self.queries += 1
-        self.query_tokens += len(token_ids)
-        self.hits += num > 0
-        self.hit_tokens += num
-        return PrefixMatch(blocks, num, hashes)
+        tiers: dict[str, int] = {}
+        for bid in blocks:
+            if (t := pool_blocks[bid].tier) is not None:
+                tiers[t] = tiers.get(t, 0) + bs
+        if record:
+            self.queries += 1
+            self.query_tokens += len(token_ids)
+            self.hits += num > 0
+            self.hit_tokens += num
+        return PrefixMatch(blocks, num, hashes, tiers)
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._index

@@ -19,6 +19,8 @@ _PER_TIER = [
      "{tier}_tier_demoted_blocks"),
     ("pagedllm_kv_tier_demoted_bytes", "counter", "KV bytes the pool evicted that the tier stored.",
      "{tier}_tier_demoted_bytes"),
+    ("pagedllm_kv_tier_prompt_hit_tokens", "counter",
+     "Prompt tokens of scheduled requests read from blocks the tier promoted for them.", "prompt_tokens_cached_{tier}"),
 ]
 _GAUGES = [
     ("pagedllm_kv_tier_host_blocks", "Blocks the host-RAM tier holds at most.", "host_tier_blocks"),

@@ -39,6 +39,11 @@ def test_tier_metrics_snapshot_and_dashboard(tiny_model_dir, tmp_path, browser):
         assert m["pagedllm_kv_tier_disk_bytes_used", ""] > 0 and m["pagedllm_kv_tier_disk_full", ""] == 0
         assert m["vllm:external_prefix_cache_hits_total", ""] >= 6 * 8 * 16
         assert m["vllm:external_prefix_cache_queries_total", ""] >= m["vllm:external_prefix_cache_hits_total", ""]
+        tier_hits = [m["pagedllm_kv_tier_prompt_hit_tokens_total", t] for t in ("host", "disk")]
+        assert sum(tier_hits) > 0  # the second round's prompts were read from the tiers...
+        assert sum(tier_hits) <= m["pagedllm_prompt_tokens_cached_total", ""]  # ...and counted among the hits once
+        for t, hit in zip(("host", "disk"), tier_hits):
+            assert hit <= 16 * m["pagedllm_kv_tier_promoted_blocks_total", t]
         snap = httpx.get(f"{srv.url}/v1/kv/snapshot", headers=auth).json()
         assert snap["stats"]["host_tier_promoted_blocks"] == m["pagedllm_kv_tier_promoted_blocks_total", "host"]
 
