@@ -199,7 +199,7 @@ void run(const float* x, const WT* w, const float* bias, float* y, int64_t M, in
 // From a few rows up, 16 rows of W are instead transposed into a K-major panel (panel[k][j] = W[n + j][k]) and
 // PM x 16 tiles of y accumulate in registers: per k, two panel loads and PM broadcasts of x feed 2 PM FMAs, and
 // no horizontal sums. Every output is the plain sequential sum over k (then + bias), whatever the tiling.
-constexpr int64_t PN = 16, PM = 6, PANEL_MIN_ROWS = 16;
+constexpr int64_t PN = 16, PM = 6, PANEL_MIN_ROWS = 16, GROUP_MIN_ROWS = 128, GROUP_BYTES = 256 << 10;
 
 // dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block
 inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
@@ -357,18 +357,34 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float*
   }
 }
 
-// The rows of x in tiles of as even a size as fits PM (19 rows: 5, 5, 5, 4 rather than 6, 6, 6, 1): a tile of 1-3
-// rows holds 2-6 accumulators, too few to cover the FMA latency, and costs as much as one of 4 rows.
-void balanced_panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* y, int64_t N,
-                         const float* bias, int64_t nr) {
+// One tile of MR rows of x against `count` packed panels (PN * K floats apart) of consecutive columns of y; the last
+// panel holds last_nr columns.
+template <int MR>
+void tile_panels(const float* x, int64_t K, const float* panels, int64_t count, float* y, int64_t N,
+                 const float* bias, int64_t last_nr) {
+  for (int64_t g = 0; g < count; ++g)
+    panel_tile<MR>(x, K, panels + g * PN * K, y + g * PN, N, bias ? bias + g * PN : nullptr,
+                   g + 1 == count ? last_nr : PN);
+}
+
+// The rows of x in tiles of as even a size as fits PM (19 rows: 5, 5, 5, 4 rather than 6, 6, 6, 1: a tile of 1-3
+// rows holds 2-6 accumulators, too few to cover the FMA latency, and costs as much as one of 4 rows), each tile
+// applied to every panel of the group while it is in L1.
+void balanced_panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int64_t count, float* y,
+                         int64_t N, const float* bias, int64_t last_nr) {
   const int64_t tiles = (M + PM - 1) / PM, base = M / tiles, larger = M % tiles;
   int64_t m = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = base + (t < larger);
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
     switch (rows) {  // at least 4 from 16 rows up (the panels' range)
-      case 6: panel_tile<6>(x + m * K, K, panel, y + m * N, N, bias, nr); break;
-      case 5: panel_tile<5>(x + m * K, K, panel, y + m * N, N, bias, nr); break;
-      default: panel_rows<4>(x + m * K, rows, K, panel, y + m * N, N, bias, nr); break;
+      case 6: tile_panels<6>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 5: tile_panels<5>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 4: tile_panels<4>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 3: tile_panels<3>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 2: tile_panels<2>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      default: tile_panels<1>(xm, K, panels, count, ym, N, bias, last_nr); break;
     }
     m += rows;
   }
@@ -384,32 +400,40 @@ inline bool gemm_v1() {
 // Each thread takes a contiguous range of 16-row panels of W; a packed panel (L2-resident) serves every row of x.
 // (Packing and applying it in L1-sized K chunks measured no faster, again with Q4_1's byte-transposed pack. Q8_0
 // keeps the dequantize-then-transpose pack: its bytes transposed the same way measured slower for the LM head.)
+// From GROUP_MIN_ROWS rows, where x no longer stays in L2 between panels, a group of panels (GROUP_BYTES) is packed
+// and each tile of x applied to all of them: x is streamed once per group instead of once per panel.
 template <typename WT>
 void run_panels(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t panels = (N + PN - 1) / PN;
+  const int64_t panels = (N + PN - 1) / PN, panel_floats = PN * K;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels)));
   const int64_t row_elems = kBlocks<WT> ? K / 32 : K;  // W's row stride in WT units
   const bool v1 = gemm_v1();
+  const int64_t group = !v1 && M >= GROUP_MIN_ROWS ? std::max<int64_t>(1, GROUP_BYTES / (4 * panel_floats)) : 1;
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> rows(v1 || !std::is_same_v<WT, BlockQ4_1> ? PN * K : 0), panel(PN * K), bias_pad(PN, 0.f);
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t n = p * PN, nr = std::min<int64_t>(PN, N - n);
+    std::vector<float> rows(v1 || !std::is_same_v<WT, BlockQ4_1> ? panel_floats : 0), packed(group * panel_floats),
+        bias_pad(group * PN, 0.f);
+    const int64_t per = (panels + omp_get_num_threads() - 1) / omp_get_num_threads();
+    const int64_t begin = std::min(panels, omp_get_thread_num() * per), end = std::min(panels, begin + per);
+    for (int64_t p0 = begin; p0 < end; p0 += group) {
+      const int64_t count = std::min(group, end - p0), n0 = p0 * PN, ncols = std::min(count * PN, N - n0);
+      const int64_t last_nr = ncols - (count - 1) * PN;
+      for (int64_t g = 0; g < count; ++g) {
+        const int64_t n = n0 + g * PN, nr = g + 1 == count ? last_nr : PN;
+        if (std::is_same_v<WT, BlockQ4_1> && !v1)
+          pack_block_panel(reinterpret_cast<const BlockQ4_1*>(w) + n * row_elems, nr, K, packed.data() + g * panel_floats);
+        else
+          pack_panel(w + n * row_elems, nr, K, rows.data(), packed.data() + g * panel_floats);
+      }
       const float* bn = nullptr;
       if (bias) {
-        std::copy(bias + n, bias + n + nr, bias_pad.data());
+        std::copy(bias + n0, bias + n0 + ncols, bias_pad.data());
         bn = bias_pad.data();
       }
-      if (std::is_same_v<WT, BlockQ4_1> && !v1) {
-        pack_block_panel(reinterpret_cast<const BlockQ4_1*>(w) + n * row_elems, nr, K, panel.data());
-      } else {
-        pack_panel(w + n * row_elems, nr, K, rows.data(), panel.data());
-      }
       if (v1)
-        panel_rows<PM>(x, M, K, panel.data(), y + n, N, bn, nr);
+        panel_rows<PM>(x, M, K, packed.data(), y + n0, N, bn, last_nr);
       else
-        balanced_panel_rows(x, M, K, panel.data(), y + n, N, bn, nr);
+        balanced_panel_rows(x, M, K, packed.data(), count, y + n0, N, bn, last_nr);
     }
   }
 }
