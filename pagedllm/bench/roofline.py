@@ -186,7 +186,12 @@ def run(args) -> Report:
                 for f in r["floors"]], "Floors of the embedded model", 1)
     tables = [gemm, fl]
     if args.gemm_shapes:
-        from pagedllm.bench.roofline_shapes import PEAK_SHAPE, ROWS, ROWS_QUICK, shape_table
+        from pagedllm.bench.roofline_shapes import (
+            PEAK_SHAPE,
+            ROWS,
+            ROWS_QUICK,
+            shape_table,
+        )
 
         threads = tuple(int(t) for t in args.gemm_threads.split(","))
         r["gemm_shapes"] = shape_table(ROWS_QUICK if args.quick else ROWS, threads,

@@ -35,7 +35,7 @@ def engine_matrices(model: str | None = None) -> list[tuple[str, QuantizedWeight
     from safetensors import safe_open
 
     from pagedllm.models.loader import BLOCKS_FILE, resolve_model_dir
-    from pagedllm.models.quant import QuantizedWeight  # noqa: F811 (at run time)
+    from pagedllm.models.quant import QuantizedWeight
 
     path = os.path.join(resolve_model_dir(model), BLOCKS_FILE)
     if not os.path.isfile(path):
@@ -94,7 +94,7 @@ def shape_table(rows: tuple[int, ...], threads: tuple[int, ...], budget_s: float
                 dense = w.dequantize()
                 for m in rows:
                     x = torch.randn(m, w.shape[1])
-                    ours = lambda x=x, w=w: quantized_linear(x, w, None)  # noqa: E731 (one row: gemv.cpp, as the engine)
+                    ours = lambda x=x, w=w: quantized_linear(x, w, None)  # one row: gemv.cpp, as in the engine
                     paths = {"ours": ours, "v1": _with_v1(ours), "onednn": lambda x=x, d=dense: F.linear(x, d)}
                     best = {p: float("inf") for p in paths}
                     for _ in range(2):  # two alternating rounds, each the best of its repetitions
