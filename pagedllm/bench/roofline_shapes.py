@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 ROWS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 ROWS_QUICK = (1, 16, 64)
-PEAK_SHAPE = (1024, 64, 64)  # M, K, N: x in L2, one panel's pack per 1024 rows: the panel tiles alone
+PEAK_SHAPE = (288, 256, 512)  # M, K, N: x and a panel in L2, 32 panels, a pack per 288 rows: the tiles alone
 
 
 def engine_matrices(model: str | None = None) -> list[tuple[str, QuantizedWeight]]:
