@@ -10,14 +10,14 @@
 // - From PANEL_MIN_ROWS rows up: 16 rows of W at a time are transposed into a K-major panel and 6 x 16 tiles
 //   of y accumulate in registers (outer products, no horizontal sums): 90-95 GFLOP/s per core from 128 rows up
 //   on the EPYC (its FMA peak: ~100), at or above oneDNN on the dequantized matrix. At 16-64 rows packing the
-//   panel is a large part of a call; Q4_1 panels are packed from their bytes (pack_block_panel) to halve it.
+//   panel is a large part of a call; Q4_1 panels are packed from their bytes (pack_block_panel), a quarter cheaper.
 #include "ops_common.h"
 
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
