@@ -149,6 +149,19 @@ def floor_for(result: dict, fmt: str) -> dict | None:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model whose floors to compute (default: the embedded SmolLM2)")
+    p.add_argument("--gemm-shapes", action="store_true",
+                   help="add the exact GEMM at each of the model's matrices and 1-1024 rows, beside oneDNN (minutes)")
+    p.add_argument("--gemm-threads", default="1,2", help="thread counts of the --gemm-shapes table (default 1,2)")
+
+
+def shapes_report_table(rows: list[dict]) -> Table:
+    """The --gemm-shapes measurements as one table."""
+    return Table(["threads", "matrix", "format", "N x K", "rows", "ours GFLOP/s", "ours before issue 32",
+                  "oneDNN (dequantized fp32)", "ours / oneDNN", "% of in-cache peak"],
+                 [[r["threads"], r["matrix"], r["format"], f"{r['N']} x {r['K']}", r["rows"], r["ours_gflops"],
+                   r["v1_gflops"], r["onednn_gflops"], r["ours_gflops"] / r["onednn_gflops"],
+                   100 * r["ours_gflops"] / r["peak_gflops"]] for r in rows],
+                 "Exact GEMM (quant_linear on the GGUF blocks) by matrix and rows", 2)
 
 
 def run(args) -> Report:
@@ -171,8 +184,23 @@ def run(args) -> Report:
                 "W1 ceiling output tok/s"],
                [[f["format"], f["step_bytes"] / 1e6, f["b1_tok_s"], f["gemm_path"], f["gemm_gflops"], f["w1_tok_s"]]
                 for f in r["floors"]], "Floors of the embedded model", 1)
+    tables = [gemm, fl]
+    if args.gemm_shapes:
+        from pagedllm.bench.roofline_shapes import (
+            PEAK_SHAPE,
+            ROWS,
+            ROWS_QUICK,
+            shape_table,
+        )
+
+        threads = tuple(int(t) for t in args.gemm_threads.split(","))
+        r["gemm_shapes"] = shape_table(ROWS_QUICK if args.quick else ROWS, threads,
+                                       budget_s=0.02 if args.quick else 0.2, model=args.model)
+        notes.append(f"GEMM shapes: ours = the engine's call (one row: gemv.cpp); before issue 32 = PAGEDLLM_GEMM_V1=1, "
+                     f"alternating in this process; in-cache peak = gemm.cpp's fp32 panels at {PEAK_SHAPE} (M, K, N).")
+        tables.append(shapes_report_table(r["gemm_shapes"]))
     rep = Report("roofline", "Roofline: bandwidth, peak GEMMs and the model's floors per weight format", notes,
-                 [gemm, fl])
+                 tables)
     rep.result = r
     return rep
 

@@ -103,3 +103,21 @@ def test_bench_roofline_quick_writes_the_tables(tmp_path, capsys):
     assert {f["format"] for f in r["floors"]} >= {"fp32", "bf16"}
     assert r["bandwidth_Bps"]["read"] > 0 and r["gemm"]
     assert (tmp_path / "roofline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the C++ GEMM kernel (g++ with OpenMP)")
+def test_gemm_shapes_time_the_engines_matrices_beside_onednn(tmp_path):
+    """--gemm-shapes: every matrix a step multiplies, in its GGUF format, at each row count and thread count."""
+    from pagedllm.bench.cli import main
+    from pagedllm.bench.roofline_shapes import engine_matrices
+
+    mats = {name: (w.shape, w.qtype) for name, w in engine_matrices()}
+    assert mats == {"qkv": ((960, 576), 3), "o": ((576, 576), 3), "gate_up": ((3072, 576), 3),
+                    "down": ((576, 1536), 3), "lm_head": ((49152, 576), 8)}
+    assert main(["roofline", "--quick", "--gemm-shapes", "--gemm-threads", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "roofline.json").read_text())["result"]["gemm_shapes"]
+    assert {(r["matrix"], r["rows"]) for r in rows} == {(m, n) for m in mats for n in (1, 16, 64)}
+    assert all(r["threads"] == 1 and min(r["ours_gflops"], r["v1_gflops"], r["onednn_gflops"], r["peak_gflops"]) > 0
+               for r in rows)
+    assert "PAGEDLLM_GEMM_V1" not in os.environ
+    assert "by matrix and rows" in (tmp_path / "roofline.md").read_text()

@@ -39,8 +39,8 @@ def test_dequantize_matches_gguf_exactly(qtype, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16, 64, 200])  # the dot-product tiles below 16 rows, panels above
-@pytest.mark.parametrize("n,k", [(7, 64), (192, 576), (13, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 12, 16, 19, 23, 64, 200])  # dot-product tiles below 16 rows, panels above
+@pytest.mark.parametrize("n,k", [(7, 64), (192, 576), (13, 1536), (33, 96)])  # 96: an odd number of blocks per row
 def test_quant_linear_is_bit_identical_to_the_fp32_kernel(monkeypatch, qtype, m, n, k):
     """Same register tiles over exactly dequantized weights: equal bits, with and without bias (one row
     goes to gemv.cpp unless PAGEDLLM_BITWISE_GEMV=1: tests/models/test_gemv.py)."""
@@ -50,6 +50,28 @@ def test_quant_linear_is_bit_identical_to_the_fp32_kernel(monkeypatch, qtype, m,
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     assert torch.equal(layers.linear(x, qw, b), kernel.linear(x, dense, b))
     torch.testing.assert_close(layers.linear(x, qw), F.linear(x, dense), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_panels_match_the_kernel_before_issue_32_at_any_thread_count(monkeypatch, qtype):
+    """Q4_1 panels packed from their bytes, the balanced row tiles and the groups of panels give the bits of the
+    old panels (PAGEDLLM_GEMM_V1=1: dequantize, transpose, tiles of 6), with one thread or two."""
+    qw, _ = make_weight(qtype, 50, 160, seed=3)
+    g = torch.Generator().manual_seed(4)
+    b = torch.randn(50, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for m in (16, 19, 22, 37, 150):  # 150: groups of panels per tile of x
+            x = torch.randn(m, 160, generator=g)
+            outs = []
+            for v1, t in (("1", 1), ("0", 1), ("0", 2)):
+                monkeypatch.setenv("PAGEDLLM_GEMM_V1", v1)
+                torch.set_num_threads(t)
+                outs.append(kernel.quant_linear(x, qw.data, qw.qtype, b))
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_block_data_raises():

@@ -8,14 +8,16 @@
 //   Each thread takes a contiguous range of row blocks of W (a block stays in L1 while every row of x is
 //   applied to it), with fp32 accumulators in registers and one horizontal sum per output.
 // - From PANEL_MIN_ROWS rows up: 16 rows of W at a time are transposed into a K-major panel and 6 x 16 tiles
-//   of y accumulate in registers (outer products, no horizontal sums): 115-145 GFLOP/s on the EPYC against
-//   80-100 for the dot-product tiles and 90-125 for oneDNN / MKL at every batch size up to 1024 rows.
+//   of y accumulate in registers (outer products, no horizontal sums): 90-95 GFLOP/s per core from 128 rows up
+//   on the EPYC (its FMA peak: ~100), at or above oneDNN on the dequantized matrix. At 16-64 rows packing the
+//   panel is a large part of a call; Q4_1 panels are packed from their bytes (pack_block_panel), a quarter cheaper.
 #include "ops_common.h"
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -197,7 +199,7 @@ void run(const float* x, const WT* w, const float* bias, float* y, int64_t M, in
 // From a few rows up, 16 rows of W are instead transposed into a K-major panel (panel[k][j] = W[n + j][k]) and
 // PM x 16 tiles of y accumulate in registers: per k, two panel loads and PM broadcasts of x feed 2 PM FMAs, and
 // no horizontal sums. Every output is the plain sequential sum over k (then + bias), whatever the tiling.
-constexpr int64_t PN = 16, PM = 6, PANEL_MIN_ROWS = 16;
+constexpr int64_t PN = 16, PM = 6, PANEL_MIN_ROWS = 16, GROUP_MIN_ROWS = 128, GROUP_BYTES = 256 << 10;
 
 // dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block
 inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
@@ -240,6 +242,75 @@ void pack_panel(const WT* w, int64_t nr, int64_t K, float* rows, float* panel) {
   }
   for (int64_t k = 0; k < K; k += 8)
     for (int64_t j = 0; j < PN; j += 8) transpose8x8(src + j * K + k, K, panel + k * PN + j, PN);
+}
+
+// r[i] byte j becomes r[j] byte i, for 16 x 16 bytes in each 128-bit lane: four rounds of the perfect shuffle.
+inline void transpose16x16_u8(__m256i r[16]) {
+  for (int round = 0; round < 4; ++round) {
+    __m256i t[16];
+    for (int p = 0; p < 8; ++p) {
+      t[2 * p] = _mm256_unpacklo_epi8(r[p], r[p + 8]);
+      t[2 * p + 1] = _mm256_unpackhi_epi8(r[p], r[p + 8]);
+    }
+    std::copy(t, t + 16, r);
+  }
+}
+
+// The scales d and minimums m of block column b of 16 Q4_1 rows (kb blocks each) as fp32 vectors of rows 0-7 and
+// 8-15, zero past nr: each row's 4 header bytes in one masked gather per 8 rows (scalar loads through a stack
+// array stalled on store forwarding: a quarter of the pack's time).
+inline void row_scales(const BlockQ4_1* w, int64_t kb, int64_t b, int64_t nr, __m256 d[2], __m256 m[2]) {
+  const __m256i stride = _mm256_set1_epi32(static_cast<int>(kb * sizeof(BlockQ4_1)));
+  const __m256i rows = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // per 128-bit lane: the 4 d halves, then the 4 m halves; then the lanes' d halves together, m halves together
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i j = _mm256_add_epi32(rows, _mm256_set1_epi32(8 * h));
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nr)), j);
+    const __m256i g = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(w + b),
+                                                  _mm256_mullo_epi32(j, stride), live, 1);
+    const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(g, split), 0xD8);  // d0..d7, m0..m7
+    d[h] = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    m[h] = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+  }
+}
+
+// Panel rows k = i and i + 16 of a block column from q, its 16 rows' quant bytes i (weight i in the low nibble,
+// i + 16 in the high one): fma(q, d, m) as in block_vectors.
+inline void store_q4_1(__m128i q, const __m256 d[2], const __m256 m[2], float* out) {
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m256i v[2] = {_mm256_cvtepu8_epi32(q), _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q, q))};  // rows 0-7, 8-15
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v[h], mask)), d[h], m[h]));
+    _mm256_storeu_ps(out + 16 * PN + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v[h], 4)), d[h], m[h]));
+  }
+}
+
+// pack_panel for nr <= PN rows of Q4_1 blocks, written straight from the quants: the 16 rows' quant bytes of two
+// block columns (one per 128-bit lane) are transposed as bytes, an eighth of the shuffles of transposing their fp32
+// values, then widened with the rows' scales: the same values as pack_panel's dequantize-then-transpose, without
+// its fp32 rows buffer (issue 32: 1.1-1.2x at 16-37 rows of x, where the pack is ~a third of the call).
+inline void pack_block_panel(const BlockQ4_1* w, int64_t nr, int64_t K, float* panel) {
+  const int64_t kb = K / 32;
+  for (int64_t b = 0; b < kb; b += 2) {  // block columns b (low lanes) and b + 1 (high lanes)
+    const bool pair = b + 1 < kb;
+    __m256 d[2][2], m[2][2];
+    row_scales(w, kb, b, nr, d[0], m[0]);
+    if (pair) row_scales(w, kb, b + 1, nr, d[1], m[1]);
+    __m256i q[16];
+    for (int64_t j = 0; j < PN; ++j) {
+      const __m128i lo = j < nr ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j * kb + b].qs)) : _mm_setzero_si128();
+      const __m128i hi = j < nr && pair ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j * kb + b + 1].qs))
+                                        : _mm_setzero_si128();
+      q[j] = _mm256_set_m128i(hi, lo);
+    }
+    transpose16x16_u8(q);
+    for (int i = 0; i < 16; ++i) {
+      store_q4_1(_mm256_castsi256_si128(q[i]), d[0], m[0], panel + (32 * b + i) * PN);
+      if (pair) store_q4_1(_mm256_extracti128_si256(q[i], 1), d[1], m[1], panel + (32 * (b + 1) + i) * PN);
+    }
+  }
 }
 
 // y[i][j] = sum_k x[i][k] * panel[k][j] (+ bias[j]) for i < MR rows, j < nr columns
@@ -286,26 +357,83 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float*
   }
 }
 
+// One tile of MR rows of x against `count` packed panels (PN * K floats apart) of consecutive columns of y; the last
+// panel holds last_nr columns.
+template <int MR>
+void tile_panels(const float* x, int64_t K, const float* panels, int64_t count, float* y, int64_t N,
+                 const float* bias, int64_t last_nr) {
+  for (int64_t g = 0; g < count; ++g)
+    panel_tile<MR>(x, K, panels + g * PN * K, y + g * PN, N, bias ? bias + g * PN : nullptr,
+                   g + 1 == count ? last_nr : PN);
+}
+
+// The rows of x in tiles of as even a size as fits PM (19 rows: 5, 5, 5, 4 rather than 6, 6, 6, 1: a tile of 1-3
+// rows holds 2-6 accumulators, too few to cover the FMA latency, and costs as much as one of 4 rows), each tile
+// applied to every panel of the group while it is in L1.
+void balanced_panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int64_t count, float* y,
+                         int64_t N, const float* bias, int64_t last_nr) {
+  const int64_t tiles = (M + PM - 1) / PM, base = M / tiles, larger = M % tiles;
+  int64_t m = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = base + (t < larger);
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    switch (rows) {  // at least 4 from 16 rows up (the panels' range)
+      case 6: tile_panels<6>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 5: tile_panels<5>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 4: tile_panels<4>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 3: tile_panels<3>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      case 2: tile_panels<2>(xm, K, panels, count, ym, N, bias, last_nr); break;
+      default: tile_panels<1>(xm, K, panels, count, ym, N, bias, last_nr); break;
+    }
+    m += rows;
+  }
+}
+
+// PAGEDLLM_GEMM_V1=1: the panels as before issue 32 (blocks dequantized into fp32 rows, then transposed; tiles of
+// 6 rows and the rest), for A/B benchmarks against the current kernel in one process (read at every call).
+inline bool gemm_v1() {
+  const char* v = std::getenv("PAGEDLLM_GEMM_V1");
+  return v && v[0] == '1';
+}
+
 // Each thread takes a contiguous range of 16-row panels of W; a packed panel (L2-resident) serves every row of x.
-// (Packing and applying it in L1-sized K chunks measured no faster.)
+// (Packing and applying it in L1-sized K chunks measured no faster, again with Q4_1's byte-transposed pack. Q8_0
+// keeps the dequantize-then-transpose pack: its bytes transposed the same way measured slower for the LM head.)
+// From GROUP_MIN_ROWS rows, where x no longer stays in L2 between panels, a group of panels (GROUP_BYTES) is packed
+// and each tile of x applied to all of them: x is streamed once per group instead of once per panel.
 template <typename WT>
 void run_panels(const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t panels = (N + PN - 1) / PN;
+  const int64_t panels = (N + PN - 1) / PN, panel_floats = PN * K;
   const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels)));
   const int64_t row_elems = kBlocks<WT> ? K / 32 : K;  // W's row stride in WT units
+  const bool v1 = gemm_v1();
+  const int64_t group = !v1 && M >= GROUP_MIN_ROWS ? std::max<int64_t>(1, GROUP_BYTES / (4 * panel_floats)) : 1;
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> rows(PN * K), panel(PN * K), bias_pad(PN, 0.f);
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t n = p * PN, nr = std::min<int64_t>(PN, N - n);
-      pack_panel(w + n * row_elems, nr, K, rows.data(), panel.data());
+    std::vector<float> rows(v1 || !std::is_same_v<WT, BlockQ4_1> ? panel_floats : 0), packed(group * panel_floats),
+        bias_pad(group * PN, 0.f);
+    const int64_t per = (panels + omp_get_num_threads() - 1) / omp_get_num_threads();
+    const int64_t begin = std::min(panels, omp_get_thread_num() * per), end = std::min(panels, begin + per);
+    for (int64_t p0 = begin; p0 < end; p0 += group) {
+      const int64_t count = std::min(group, end - p0), n0 = p0 * PN, ncols = std::min(count * PN, N - n0);
+      const int64_t last_nr = ncols - (count - 1) * PN;
+      for (int64_t g = 0; g < count; ++g) {
+        const int64_t n = n0 + g * PN, nr = g + 1 == count ? last_nr : PN;
+        if (std::is_same_v<WT, BlockQ4_1> && !v1)
+          pack_block_panel(reinterpret_cast<const BlockQ4_1*>(w) + n * row_elems, nr, K, packed.data() + g * panel_floats);
+        else
+          pack_panel(w + n * row_elems, nr, K, rows.data(), packed.data() + g * panel_floats);
+      }
       const float* bn = nullptr;
       if (bias) {
-        std::copy(bias + n, bias + n + nr, bias_pad.data());
+        std::copy(bias + n0, bias + n0 + ncols, bias_pad.data());
         bn = bias_pad.data();
       }
-      panel_rows<PM>(x, M, K, panel.data(), y + n, N, bn, nr);
+      if (v1)
+        panel_rows<PM>(x, M, K, packed.data(), y + n0, N, bn, last_nr);
+      else
+        balanced_panel_rows(x, M, K, packed.data(), count, y + n0, N, bn, last_nr);
     }
   }
 }
