@@ -32,29 +32,21 @@ PEAK_SHAPE = (288, 256, 512)  # M, K, N: x and a panel in L2, 32 panels, a pack 
 def engine_matrices(model: str | None = None) -> list[tuple[str, QuantizedWeight]]:
     """The matrices a step multiplies, as the engine holds them (q/k/v and gate/up fused): layer 0's and the LM
     head, in the GGUF's block formats. Empty for a model without a blocks file."""
-    from safetensors import safe_open
-
     from pagedllm.models.loader import BLOCKS_FILE, resolve_model_dir
-    from pagedllm.models.quant import QuantizedWeight
+    from pagedllm.models.quant import QuantizedWeight, load_blocks
 
     path = os.path.join(resolve_model_dir(model), BLOCKS_FILE)
     if not os.path.isfile(path):
         return []
-    with safe_open(path, "pt") as f:
-        meta = f.metadata() or {}
-
-        def read(name: str) -> QuantizedWeight:
-            qt, n, k = (int(v) for v in meta[name].split(":"))
-            return QuantizedWeight(f.get_tensor(name), qt, (n, k))
-
-        layer = "model.layers.0."
-        groups = {"qkv": [f"self_attn.{p}_proj" for p in "qkv"], "o": ["self_attn.o_proj"],
-                  "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
-        out = [(name, QuantizedWeight.cat([read(f"{layer}{p}.weight") for p in parts]))
-               for name, parts in groups.items() if all(f"{layer}{p}.weight" in meta for p in parts)]
-        head = "lm_head.weight" if "lm_head.weight" in meta else "model.embed_tokens.weight"
-        if head in meta:
-            out.append(("lm_head", read(head)))
+    blocks = load_blocks(path)
+    layer = "model.layers.0."
+    groups = {"qkv": [f"self_attn.{p}_proj" for p in "qkv"], "o": ["self_attn.o_proj"],
+              "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+    out = [(name, QuantizedWeight.cat([blocks[f"{layer}{p}.weight"] for p in parts]))
+           for name, parts in groups.items() if all(f"{layer}{p}.weight" in blocks for p in parts)]
+    head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
+    if head in blocks:
+        out.append(("lm_head", blocks[head]))
     return out
 
 

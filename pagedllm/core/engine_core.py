@@ -363,8 +363,8 @@ class EngineCore:
                 continue
             self._take_samples(seq, out, c.num_spec)
         self.stats.prompt_tokens_cached += sched.num_prefix_hit_tokens
-        for tier, n in sched.tier_hit_tokens.items():
-            self.stats.prompt_tokens_cached_tier[tier] += n
+        for tier, tokens in sched.tier_hit_tokens.items():
+            self.stats.prompt_tokens_cached_tier[tier] += tokens
         if beams:
             self.beam.step(beams)
         now = time.monotonic()

@@ -128,6 +128,7 @@ class PrefixCache:
         extra = _extra_bytes(extra_keys)
         pool_blocks, index = self.pool.blocks, self._index
         blocks, hashes = [], []
+        tiers: dict[str, int] = {}
         parent: int | None = None
         for i in range(max(len(token_ids) - 1, 0) // bs):
             chunk = token_ids[i * bs : (i + 1) * bs]
@@ -138,13 +139,11 @@ class PrefixCache:
             blocks.append(bid)
             hashes.append(h)
             parent = h
+            if (t := pool_blocks[bid].tier) is not None:
+                tiers[t] = tiers.get(t, 0) + bs
             if record:
                 pool_blocks[bid].hits += 1
         num = len(blocks) * bs
-        tiers: dict[str, int] = {}
-        for bid in blocks:
-            if (t := pool_blocks[bid].tier) is not None:
-                tiers[t] = tiers.get(t, 0) + bs
         if record:
             self.queries += 1
             self.query_tokens += len(token_ids)
