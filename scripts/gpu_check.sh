@@ -11,6 +11,8 @@
 #
 # usage: OUT=/some/dir bash scripts/gpu_check.sh [--dry-run]
 #   --dry-run: every part on the CPU, tiny and quick (what CI runs: tests/test_gpu_check_script.py)
+#   GPU_CHECK_PARTS="tests server": run only these parts after setup and models (a rerun after a fix, in what is
+#   left of a lease); GPU_CHECK_TESTS="tests/x.py::test_y ...": the tests part runs these instead
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -30,17 +32,22 @@ if (( DRY )); then
   SERVE_MODEL="$WORK/models/tiny"
 else
   DEVICE=cuda SHAPES=llama-1b,qwen2-bias,smollm2-shape PORT=8971
-  T_SETUP=30 T_MODELS=45 T_TESTS=155 T_ORACLE=120 T_ORACLE_BIG=45 T_SERVER=50 T_BENCH=30
-  TESTS=(tests/attention tests/worker tests/kv tests/spec_decode tests/engine -m "not slow")
+  T_SETUP=30 T_MODELS=45 T_TESTS=180 T_ORACLE=120 T_ORACLE_BIG=45 T_SERVER=50 T_BENCH=30
+  TESTS=(tests/attention tests/worker tests/kv tests/spec_decode tests/engine tests/lora -m "not slow")
   ORACLE=(--model "$WORK/models/qwen2-bias" --prompts 4 --max-tokens 12)
   SERVE_MODEL="$WORK/models/qwen2-bias"
 fi
 export PAGEDLLM_TEST_MODEL_DIR="$WORK/models/${SHAPES##*,}"  # the tests' smollm2 fixture: SmolLM2's shape there
 
+[[ -n "${GPU_CHECK_TESTS:-}" ]] && read -ra TESTS <<<"$GPU_CHECK_TESTS"
 NAMES=() STATUS=() SECS=() LAST=()
 part() {  # part NAME SECONDS COMMAND...: run it time-boxed into $OUT/NAME.log and record the outcome
   local name=$1 limit=$2 t0 rc status
   shift 2
+  if [[ -n "${GPU_CHECK_PARTS:-}" && $name != setup && $name != models && " $GPU_CHECK_PARTS " != *" $name "* ]]; then
+    NAMES+=("$name") STATUS+=(SKIP) SECS+=(0) LAST+=("not in GPU_CHECK_PARTS")
+    return
+  fi
   t0=$(date +%s)
   timeout --kill-after=5 "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -63,6 +70,9 @@ part setup "$T_SETUP" "
   export PYTHONPATH=$SITE:\$PYTHONPATH
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
   $PY -c 'import torch, fastapi, gguf, xgrammar, pagedllm; print(\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())'
+  # the C++ CPU kernels (the tests' cpu cases) compile in the background, one process each, while models are made
+  setsid $PY -c 'from concurrent.futures import ProcessPoolExecutor as P; from pagedllm.ops import build as b; \
+    s = b.kernel_sources(); print(list(P(len(s)).map(b.try_load_library, s, s.values())))' >$WORK/kernels.log 2>&1 &
 "
 [[ -d "$SITE" ]] && export PYTHONPATH="$SITE:$PYTHONPATH"
 
@@ -78,8 +88,9 @@ part models "$T_MODELS" "
 
 # ---- tests with CUDA present --------------------------------------------------------------------------------------
 XDIST=""
-(( DRY )) || { $PY -c 'import xdist' 2>/dev/null && XDIST="-n 8"; }
-part tests "$T_TESTS" "$PY -m pytest -q -p no:cacheprovider $XDIST ${TESTS[*]@Q}"
+(( DRY )) || { $PY -c 'import xdist' 2>/dev/null && XDIST="-n 12"; }
+# -v: a test per line as it ends, so a time-boxed run still names what passed and failed
+part tests "$T_TESTS" "OMP_NUM_THREADS=1 $PY -m pytest -v -rfE -p no:cacheprovider $XDIST ${TESTS[*]@Q}"
 
 # ---- the HF oracle on the device ----------------------------------------------------------------------------------
 part oracle "$T_ORACLE" "$PY -m pagedllm.bench.gpu_oracle --device $DEVICE ${ORACLE[*]@Q}"

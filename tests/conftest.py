@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -14,6 +15,30 @@ if not torch.cuda.is_available():
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_gpu_slice_per_xdist_worker():
+    """On a GPU under pytest-xdist, an engine sized by ``gpu_memory_utilization`` sees its worker's 1/N of the card
+    (and none of the other workers' memory): otherwise the first engine takes 90% of the card and every engine
+    started beside it finds nothing left. Engines in spawned child processes are not covered; the GPU check's
+    tests mostly size their pools (num_blocks, kv_cache_memory)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not torch.cuda.is_available() or workers < 2:
+        yield
+        return
+    from pagedllm.worker import memory_profile
+
+    real = memory_profile.cuda_probe
+
+    def sliced(device):
+        probe = real(device)
+        total = torch.cuda.mem_get_info(device)[1] // workers
+        return dataclasses.replace(probe, mem_get_info=lambda: (total - probe.reserved(), total))
+
+    memory_profile.cuda_probe = sliced
+    yield
+    memory_profile.cuda_probe = real
 
 
 @pytest.fixture(params=DEVICES)
