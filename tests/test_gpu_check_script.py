@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.bench import gpu_models, gpu_oracle
 
@@ -48,3 +49,18 @@ def test_agreement_counts_tokens_before_each_first_divergence():
 def test_unknown_model_shape_is_named():
     with pytest.raises(ValueError, match="unknown shape 'llama-70b'"):
         gpu_models.make_model("llama-70b", "unused", "unused")
+
+
+def test_a_near_tie_of_hf_excuses_a_divergence_and_a_clear_choice_does_not(tiny_model_dir):
+    """The oracle's tie rule on a real model: HF's own top token is never a near-tie's loser, its bottom token
+    always loses clearly; a prompt excused by a tie counts whole."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    context = [5, 17, 300, 42, 9]
+    with torch.inference_mode():
+        logits = hf(torch.tensor([context])).logits[0, -1]
+    assert gpu_oracle.near_tie(hf, context, int(logits.argmax()))
+    assert not gpu_oracle.near_tie(hf, context, int(logits.argmin()))
+    share, first = gpu_oracle.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[9, 2, 3, 4], [5, 6, 7, 8]], tied={0})
+    assert (share, first) == (1.0, 0)

@@ -19,7 +19,11 @@ Sparsity comes from a BlockMask built directly from the block tables, once per s
   several sequences of the batch (prefix caching, forks).
 
 Decodes and prefill chunks are two flex calls (two Q block sizes, each compiled once per dtype
-and GQA group).
+and GQA group). On CUDA, inductor's Triton flex template tiles Q and KV blocks by BLOCK_M x BLOCK_N and refuses
+sparse blocks its tiles do not divide (its default tiles are 64-128 wide, our blocks 16-32), so the calls name
+the tiles: BLOCK_M = the Q block, BLOCK_N = the KV block, a decode's Q block padded to 16 rows (tl.dot's least),
+IEEE fp32 (the template's default is TF32), and never the flex_decoding kernel (its split-KV layout assumes one
+dense block mask per head).
 ``torch.compile(flex_attention, dynamic=True)`` is compiled once per process and reused; a new
 step with another T or batch size does not recompile.
 """
@@ -202,10 +206,7 @@ class FlexBackend:
         self.last_prepare_s = state.build_s
 
     def _decode_rows(self, meta: AttentionMetadata) -> int:
-        """Rows per decode Q block: the GQA group (at least 2; inductor's CPU flex template fails
-        to compile a dynamic-shape kernel with Q blocks of 1 row, so group 1 is padded to 2)."""
-        g = self._group or meta.extra.get("gqa_group") or 1
-        return g * (2 if g == 1 else 1)
+        return _decode_rows(self._group or meta.extra.get("gqa_group") or 1, meta.positions.device)
 
     def _finish(self, state: _StepState, meta: AttentionMetadata, num_slots: int) -> None:
         """Size-dependent part: phys->logical map over the pool and the BlockMasks."""
@@ -286,26 +287,48 @@ class FlexBackend:
         for part in state.parts:
             if part.token_index is None:  # decodes, GQA folded: [1, Hkv, nd * rows, D], Q block = rows
                 rows = part.tensors[4]
-                if rows != group * (2 if group == 1 else 1):  # prepare() guessed the group wrong
+                if rows != _decode_rows(group, q.device):  # prepare() guessed the group wrong
                     self._group = group
                     self.prepare(meta)
                     return self.forward_attend(q, k_cache, v_cache, meta, scale)
                 nd = part.end - part.start
                 qd = q[: nd].view(nd, Hkv, group, D)
-                if rows != group:
-                    qd = qd.repeat(1, 1, rows // group, 1)
+                if rows != group:  # pad rows repeat the group's heads; their outputs are dropped
+                    qd = qd[:, :, torch.arange(rows, device=qd.device) % group]
                 qd = qd.to(kd).permute(1, 0, 2, 3).reshape(1, Hkv, nd * rows, D)
-                o = compiled_flex_attention("decode")(qd, K, V, block_mask=part.block_mask, scale=scale)
+                o = compiled_flex_attention("decode")(qd, K, V, block_mask=part.block_mask, scale=scale,
+                                                      kernel_options=_kernel_options(part.block_mask, q.device, kd))
                 o = o.view(Hkv, nd, rows, D)[:, :, :group].permute(1, 0, 2, 3).reshape(nd, H, D)
                 out[: nd] = o.to(q.dtype)
                 continue
             qp = q[part.start : part.end].index_select(0, part.token_index)
             qp = qp.to(kd).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
             fa = compiled_flex_attention("prefill")
-            o = fa(qp, K, V, block_mask=part.block_mask, scale=scale, enable_gqa=True)
+            o = fa(qp, K, V, block_mask=part.block_mask, scale=scale, enable_gqa=True,
+                   kernel_options=_kernel_options(part.block_mask, q.device, kd))
             o = o[0].transpose(0, 1).index_select(0, part.out_rows)  # [tokens, H, D]
             out[part.start : part.end] = o.to(q.dtype)
         return out
+
+
+def _decode_rows(group: int, device: torch.device) -> int:
+    """Rows per decode Q block: the GQA group, padded to 16 rows on CUDA (the Triton template's least tile) and to
+    2 on the CPU (inductor's CPU flex template fails to compile a dynamic-shape kernel with Q blocks of 1 row)."""
+    if device.type == "cuda":
+        return -(-group // 16) * 16
+    return group * (2 if group == 1 else 1)
+
+
+def _kernel_options(block_mask: BlockMask, device: torch.device, dtype: torch.dtype) -> dict | None:
+    """On CUDA: the Triton template's tiles are our sparse blocks (it refuses blocks its tiles do not divide), fp32
+    in IEEE, and the main kernel always (see the module's docstring); None (inductor's choice) elsewhere."""
+    if device.type != "cuda":
+        return None
+    q_bs, kv_bs = block_mask.BLOCK_SIZE
+    opts = {"BLOCK_M": q_bs, "BLOCK_N": kv_bs, "FORCE_USE_FLEX_ATTENTION": True}
+    if dtype == torch.float32:
+        opts["FLOAT32_PRECISION"] = "'ieee'"
+    return opts
 
 
 def _make_mask_mod(p2l: torch.Tensor, row_seq: torch.Tensor, pos: torch.Tensor, gran: int):

@@ -71,11 +71,12 @@ if HAS_TRITON:  # pragma: no cover
     def attend_range(q, q_pos, lo, hi, K, V, KS, VS, BT_ROW, kvh, block_size, scale,
                      sk0, sk1, sv0, sv1, sks0, sks1, svs0, svs1,
                      ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     FORMAT: tl.constexpr, USE_DOT: tl.constexpr):
+                     FORMAT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr = False):
         """Attention of ``q [ROWS, D_PAD]`` (fp32) over the keys ``lo .. hi - 1`` of one sequence, read in
         place through its block-table row ``BT_ROW``; row ``r`` sees only keys ``<= q_pos[r]``. Online
         softmax: returns ``(acc, m, l)``, the unnormalised output, running max and sum (``l == 0``: no key).
-        ``USE_DOT``: ``tl.dot`` products (tiles of >= 16 rows), else broadcast sums (a decode's few heads)."""
+        ``USE_DOT``: ``tl.dot`` products (tiles of >= 16 rows), else broadcast sums (a decode's few heads); ``IEEE``:
+        the dots in full fp32 (an fp32 model's exact path: Triton's default for fp32 dots is TF32, ~1e-3 off)."""
         d = tl.arange(0, D_PAD)
         dmask = d < D
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -88,7 +89,10 @@ if HAS_TRITON:  # pragma: no cover
             slot = phys * block_size + n % block_size
             k = load_tile(K, KS, kvh, phys, slot, d, nmask, dmask, sk0, sk1, sks0, sks1, FORMAT)
             if USE_DOT:
-                s = tl.dot(q, tl.trans(k))
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
             else:
                 s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
             s = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], s * scale, float("-inf"))
@@ -98,7 +102,10 @@ if HAS_TRITON:  # pragma: no cover
             l_i = l_i * alpha + tl.sum(p, 1)
             v = load_tile(V, VS, kvh, phys, slot, d, nmask, dmask, sv0, sv1, svs0, svs1, FORMAT)
             if USE_DOT:
-                pv = tl.dot(p, v)
+                if IEEE:
+                    pv = tl.dot(p, v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p, v)
             else:
                 pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             acc = acc * alpha[:, None] + pv

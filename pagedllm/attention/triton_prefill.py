@@ -28,7 +28,7 @@ if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
         sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sbt, sks0, sks1, svs0, svs1,
         scale, block_size, first_seq,
         GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FORMAT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FORMAT: tl.constexpr, IEEE: tl.constexpr,
     ):
         seq = tl.program_id(0) + first_seq
         head = tl.program_id(1)
@@ -45,7 +45,7 @@ if HAS_TRITON:  # pragma: no cover - exercised only where triton is installed
             end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)  # causal: no key past the tile
             acc, m_i, l_i = attend_range(q.to(tl.float32), q_pos, 0, end, K, V, KS, VS, BT + seq * sbt, head // GROUP,
                                          block_size, scale, sk0, sk1, sv0, sv1, sks0, sks1, svs0, svs1,
-                                         BLOCK_M, D, D_PAD, BLOCK_N, FORMAT, True)
+                                         BLOCK_M, D, D_PAD, BLOCK_N, FORMAT, True, IEEE)
             tl.store(O + (q_start + m)[:, None] * so0 + head * so1 + d[None, :],
                      (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask)
 
@@ -69,4 +69,5 @@ def paged_prefill(q: torch.Tensor, k_cache, v_cache, out: torch.Tensor,
         out.stride(0), out.stride(1), block_tables.stride(0), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         float(scale), block_size, first_seq,
         GROUP=group, D=D, D_PAD=pad_pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n, FORMAT=fmt,
+        IEEE=q.dtype == torch.float32,  # an fp32 model's products stay fp32 (exact path); else TF32 suffices
     )

@@ -27,6 +27,11 @@ class RandomBatch:
     meta: AttentionMetadata
     scale: float
 
+    def to(self, device: torch.device | str) -> "RandomBatch":
+        """The same batch on ``device`` (made on the CPU from a seeded generator, so every device sees one batch)."""
+        q, k, v, kc, vc = (t.to(device) for t in (self.q, self.k, self.v, self.k_cache, self.v_cache))
+        return RandomBatch(q, k, v, kc, vc, self.meta.to(torch.device(device)), self.scale)
+
 
 def make_random_batch(
     query_lens: list[int],

@@ -33,15 +33,18 @@ QUICK_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch", type=int, default=64, help="HF generate's padded batch size (default 64)")
     p.add_argument("--no-hf", action="store_true", help="our engine only")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the embedded SmolLM2's; "
+                   "a machine without the embedded GGUF, such as scripts/gpu_check.sh's, passes one)")
 
 
-def make_model_dir(quick: bool, dtype: torch.dtype, out: str) -> str:
-    """A random-weight Llama of the issue's shape (tiny with ``quick``) with SmolLM2's tokenizer, saved to ``out``."""
+def make_model_dir(quick: bool, dtype: torch.dtype, out: str, tokenizer: str | None = None) -> str:
+    """A random-weight Llama of the issue's shape (tiny with ``quick``) with SmolLM2's tokenizer (or the one in
+    ``tokenizer``), saved to ``out``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from pagedllm.models.loader import load_checkpoint
 
-    tok = AutoTokenizer.from_pretrained(load_checkpoint(None).path)
+    tok = AutoTokenizer.from_pretrained(tokenizer or load_checkpoint(None).path)
     cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       **(QUICK_SHAPE if quick else SHAPE))
@@ -153,7 +156,7 @@ def run(args) -> Report:
     loads = {"256 requests": (8, (8, 48), (4, 16)) if quick else (256, (64, 512), (64, 256)),
              "W1 x 1024": (8, (8, 48), (4, 16)) if quick else (1024, W1["prompt_range"], W1["output_range"])}
     with tempfile.TemporaryDirectory(prefix="pagedllm-gpu-bench-") as tmp:
-        path = make_model_dir(quick, dtype, tmp)
+        path = make_model_dir(quick, dtype, tmp, args.tokenizer)
         engine = {"kv_cache_memory": 256 << 20} if quick else {}
         llm = LLM(path, dtype=str(dtype).split(".")[-1], seed=args.seed, **{**engine, **args.engine_args})
         vocab = llm.engine.core.spec.vocab_size

@@ -100,6 +100,10 @@ class DeviceConfig:
         if device.type == "cuda" and torch.bfloat16 in (dtype, kv_dtype) and not cuda_has_bf16(device):
             raise ValueError(f"{device} ({torch.cuda.get_device_name(device)}) has no bfloat16 arithmetic (it needs "
                              f"compute capability 8.0); use dtype float16 or float32{resolved._kv_hint()}")
+        if device.type == "cuda" and 1 < args.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {args.tensor_parallel_size} needs {args.tensor_parallel_size} GPUs "
+                             f"(NCCL runs one rank per GPU), this machine has {torch.cuda.device_count()}; use a "
+                             "smaller tensor_parallel_size, or device 'cpu' (ranks over gloo)")
         if args.attention_backend != "auto":
             resolved.check_backend(args.attention_backend)
         return resolved

@@ -280,9 +280,11 @@ class Scheduler:
         return (req.cache_salt, req.lora_id, tuple(ids[:bs])) if len(ids) > bs else None
 
     def _in_flight_prefixes(self) -> set[tuple]:
-        """First blocks that running requests are computing right now (not yet in the prefix cache)."""
-        bs = self.kv.block_size
-        keys = (self._first_block_key(r) for r in self.running if r.seqs[0].num_computed < bs)
+        """First blocks of the running requests' prompts. A waiting request that shares one and misses the prefix
+        cache waits: that block is being computed. Not only those with ``num_computed < block_size``: under async
+        scheduling a step in flight has advanced ``num_computed`` but its blocks enter the cache only when its
+        outputs are folded in, a step later."""
+        keys = (self._first_block_key(r) for r in self.running)
         return {k for k in keys if k is not None}
 
     def _admit(self, budget: list[int], out: Schedule, scheduled: set[int]) -> None:
@@ -291,7 +293,7 @@ class Scheduler:
         if self.config.batching == "static" and self.running:
             return
         dedupe = self.config.enable_prefix_caching and self.config.batching == "continuous"
-        in_flight = self._in_flight_prefixes() if dedupe else set()
+        in_flight = self._in_flight_prefixes() if dedupe and self.waiting else set()
         deferred: list[Request] = []
         try:
             while self.waiting and budget[0] > 0:

@@ -22,13 +22,16 @@ from pagedllm.worker.tier_copy import BlockCopy
 def _rank_main(args: EngineArgs, rank: int, port: int, threads: int, conn) -> None:
     import torch
 
+    from pagedllm.config.device import resolve_device
     from pagedllm.distributed.parallel_state import destroy_tp_group, init_tp_group
     from pagedllm.worker.worker import Worker
 
     torch.set_num_threads(threads)
+    # the worker's device picks the collectives: CPU ranks on a machine with a GPU join over gloo, not NCCL
+    backend = "nccl" if resolve_device(args.device).type == "cuda" else "gloo"
     try:
         worker = build_in_child(conn, lambda: Worker(args, init_tp_group(rank, args.tensor_parallel_size,
-                                                                          "127.0.0.1", port)))
+                                                                          "127.0.0.1", port, backend)))
         if worker is not None:
             serve_steps(worker, conn)
     finally:

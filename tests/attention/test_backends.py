@@ -204,10 +204,7 @@ def test_triton(case, block_size, group):
     backend = get_backend("triton")
     b = make_random_batch(ql, sl, block_size=block_size, group=group, num_kv_heads=2)
     ref = ReferenceBackend().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta, b.scale)
-    dev = torch.device("cuda")
-    meta = b.meta
-    moved = type(meta)(**{f: (getattr(meta, f).to(dev) if isinstance(getattr(meta, f), torch.Tensor) else getattr(meta, f))
-                          for f in meta.__dataclass_fields__})
-    backend.prepare(moved)
-    got = backend.forward(b.q.to(dev), b.k.to(dev), b.v.to(dev), b.k_cache.to(dev), b.v_cache.to(dev), moved, b.scale)
+    g = b.to("cuda")
+    backend.prepare(g.meta)
+    got = backend.forward(g.q, g.k, g.v, g.k_cache, g.v_cache, g.meta, g.scale)
     torch.testing.assert_close(got.cpu(), ref, atol=2e-5, rtol=0)

@@ -11,6 +11,7 @@ from pagedllm.attention.metadata import AttentionMetadata, write_kv
 from pagedllm.attention.reference import ReferenceBackend
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import raw
+from tests.conftest import TRITON_DEVICE
 
 QUANT = ["int8", "fp8_e4m3", "fp8_e5m2"]
 # decodes first, then prefill chunks (one with a cached prefix)
@@ -52,12 +53,12 @@ def same_pool(a: KVCache, b: KVCache) -> bool:
     """Rows and scales of every block bit-identical."""
     blocks = list(range(a.num_blocks))
     ea, eb = a.export_blocks(blocks), b.export_blocks(blocks)
-    return ea.keys() == eb.keys() and all(torch.equal(raw(ea[k]), raw(eb[k])) for k in ea)
+    return ea.keys() == eb.keys() and all(torch.equal(raw(ea[k]).cpu(), raw(eb[k]).cpu()) for k in ea)
 
 
-def clone(cache: KVCache) -> KVCache:
+def clone(cache: KVCache, device: str = "cpu") -> KVCache:
     c = KVCache(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.num_blocks, cache.block_size,
-                dtype=cache.dtype)
+                dtype=cache.dtype, device=device)
     c.import_blocks(list(range(cache.num_blocks)), cache.export_blocks(list(range(cache.num_blocks))))
     return c
 
@@ -66,9 +67,11 @@ def check_backend(name: str, kv_dtype: str, steps=MIXED, backend_kw: dict | None
     cache, q, k, v, meta = make_step(kv_dtype, *steps, **kw)
     ref_cache = clone(cache)
     expected = run(ReferenceBackend(), ref_cache, q, k, v, meta)
-    got = run(get_backend(name, **(backend_kw or {})), cache, q, k, v, meta)
+    dev = TRITON_DEVICE if name == "triton" else "cpu"
+    cache = clone(cache, dev)
+    got = run(get_backend(name, **(backend_kw or {})), cache, q.to(dev), k.to(dev), v.to(dev), meta.to(torch.device(dev)))
     assert same_pool(cache, ref_cache), "the backend's write differs from the Python write path"
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="no C++ compiler")

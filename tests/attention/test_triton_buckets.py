@@ -14,6 +14,7 @@ import torch
 from pagedllm.attention import triton_decode, triton_prefill, triton_splitk, triton_write
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.bench.attention import make_random_batch
+from tests.conftest import TRITON_DEVICE
 
 pytest.importorskip("triton", reason="the test set-up installs triton")  # never skipped in CI: setup installs it
 
@@ -62,10 +63,12 @@ def launches(monkeypatch) -> dict[str, set]:
 
 def _graph_bucket_meta(size: int, n_max: int, max_model_len: int, block_size: int, tables: torch.Tensor):
     """What DecodeGraphs hands the backend for a bucket: slices of fixed buffers, lists at the bucket's bounds."""
+    d = tables.device
     return AttentionMetadata(
-        positions=torch.zeros(n_max, dtype=torch.int64)[:size], slot_mapping=torch.zeros(n_max, dtype=torch.int64)[:size],
-        query_start_loc=torch.arange(n_max + 1, dtype=torch.int32)[: size + 1],
-        seq_lens=torch.ones(n_max, dtype=torch.int32)[:size], block_tables=tables[:size], block_size=block_size,
+        positions=torch.zeros(n_max, dtype=torch.int64, device=d)[:size],
+        slot_mapping=torch.zeros(n_max, dtype=torch.int64, device=d)[:size],
+        query_start_loc=torch.arange(n_max + 1, dtype=torch.int32, device=d)[: size + 1],
+        seq_lens=torch.ones(n_max, dtype=torch.int32, device=d)[:size], block_tables=tables[:size], block_size=block_size,
         num_decodes=size, query_lens_list=[1] * size, seq_lens_list=[max_model_len] * size)
 
 
@@ -73,9 +76,10 @@ def _graph_bucket_meta(size: int, n_max: int, max_model_len: int, block_size: in
 def test_one_compile_per_kernel_over_every_graph_bucket(launches, max_model_len):
     backend = triton_decode.TritonBackend()
     H, Hkv, D, bs, n_max = 4, 2, 16, 16, 24
-    tables = torch.zeros((n_max, max_model_len // bs), dtype=torch.int32)
-    k_cache, v_cache = torch.zeros(Hkv, 4 * bs, D), torch.zeros(Hkv, 4 * bs, D)
-    qkv = torch.randn(n_max, (H + 2 * Hkv) * D)  # the model's fused projection: q, k, v are views of it
+    d = TRITON_DEVICE
+    tables = torch.zeros((n_max, max_model_len // bs), dtype=torch.int32, device=d)
+    k_cache, v_cache = torch.zeros(Hkv, 4 * bs, D, device=d), torch.zeros(Hkv, 4 * bs, D, device=d)
+    qkv = torch.randn(n_max, (H + 2 * Hkv) * D, device=d)  # the model's fused projection: q, k, v are views of it
     for size in (1, 2, 4, 8, 16, 24):
         meta = _graph_bucket_meta(size, n_max, max_model_len, bs, tables)
         q = qkv[:size, : H * D].view(size, H, D)
@@ -91,6 +95,6 @@ def test_eager_steps_of_changing_shapes_reuse_one_compile(launches):
     backend = triton_decode.TritonBackend()
     for query_lens, seq_lens in [([1], [5]), ([1, 1, 1], [17, 40, 300]), ([1, 20], [33, 52]), ([7, 16], [7, 64]),
                                  ([1] * 16 + [3], [16 * (i + 1) for i in range(16)] + [20])]:
-        b = make_random_batch(query_lens, seq_lens, num_kv_heads=2, group=2, head_dim=16)
+        b = make_random_batch(query_lens, seq_lens, num_kv_heads=2, group=2, head_dim=16).to(TRITON_DEVICE)
         backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, b.scale)
     assert {name: len(keys) for name, keys in launches.items()} == {"decode": 1, "splitk": 0, "prefill": 1, "write": 1}

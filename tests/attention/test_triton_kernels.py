@@ -1,6 +1,6 @@
 """The Triton paged kernels (decode, split-K and varlen prefill over scattered blocks) on float pools against the
 reference backend (quantized pools: test_kv_quant_backends.py); on a machine without a GPU they run in Triton's
-interpreter (TRITON_INTERPRET=1, set in tests/conftest.py). Also the whole engine with the triton backend, token
+interpreter (TRITON_INTERPRET=1, set in tests/conftest.py), else on the GPU. Also the whole engine with the triton backend, token
 for token the reference's, on a float and an int8 KV cache."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.attention import get_backend
 from pagedllm.attention.reference import ReferenceBackend
 from pagedllm.bench.attention import make_random_batch
+from tests.conftest import TRITON_DEVICE
 
 pytest.importorskip("triton", reason="the test set-up installs triton")  # never skipped in CI: setup installs it
 
@@ -29,11 +30,12 @@ def test_triton_matches_reference(case, dtype):
     b = make_random_batch(query_lens, seq_lens, head_dim=32, dtype=dtype)
     kc_r, vc_r = b.k_cache.clone(), b.v_cache.clone()
     want = ReferenceBackend().forward(b.q, b.k, b.v, kc_r, vc_r, b.meta, b.scale)
-    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    g = b.to(TRITON_DEVICE)
+    kc, vc = g.k_cache.clone(), g.v_cache.clone()
     backend = get_backend("triton", splitk_min_len=512)  # split-K for the 700-token decode (3 splits)
-    backend.prepare(b.meta)
-    got = backend.forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale)
-    assert torch.equal(kc, kc_r) and torch.equal(vc, vc_r), "new K/V not written to the pool"
+    backend.prepare(g.meta)
+    got = backend.forward(g.q, g.k, g.v, kc, vc, g.meta, g.scale).cpu()
+    assert torch.equal(kc.cpu(), kc_r) and torch.equal(vc.cpu(), vc_r), "new K/V not written to the pool"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -48,11 +50,12 @@ def test_splitk_caps_its_splits_and_sizes_its_grid_from_the_bound():
     want = ReferenceBackend().forward(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.meta, b.scale)
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     ReferenceBackend().forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale)  # the step's K/V in the pool
-    got = torch.empty_like(b.q)
+    d = TRITON_DEVICE
+    got = torch.empty_like(b.q, device=d)
     bound = 4 * MAX_SPLITS  # split 2 would need 2 * MAX_SPLITS splits: doubled to 4
-    splitk_decode(b.q, kc, vc, got, b.meta.block_tables, b.meta.seq_lens, 2, bound, b.meta.block_size, b.scale,
-                  split=2)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    splitk_decode(b.q.to(d), kc.to(d), vc.to(d), got, b.meta.block_tables.to(d), b.meta.seq_lens.to(d), 2, bound,
+                  b.meta.block_size, b.scale, split=2)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -79,15 +82,16 @@ def test_rope_and_kv_write_in_one_launch_equal_rope_then_forward(case, kv):
     from pagedllm.models.layers import apply_rope_heads_, rope_cos_sin
 
     cache_dtype = {"float": None, "bf16": torch.bfloat16, "int8": None}[kv]
-    b = make_random_batch(*CASES[case], head_dim=32, cache_dtype=cache_dtype, seed=7)
+    b = make_random_batch(*CASES[case], head_dim=32, cache_dtype=cache_dtype, seed=7).to(TRITON_DEVICE)
     T, H, D = b.q.shape
     Hkv = b.k.shape[1]
     qkv = torch.cat([b.q.reshape(T, -1), b.k.reshape(T, -1), b.v.reshape(T, -1)], 1)
-    cos, sin = rope_cos_sin(D, 10000.0, None, 2048, torch.float32)
+    cos, sin = (t.to(TRITON_DEVICE) for t in rope_cos_sin(D, 10000.0, None, 2048, torch.float32))
     cos, sin = cos.index_select(0, b.meta.positions), sin.index_select(0, b.meta.positions)
     if kv == "int8":
-        pool = KVCache(1, Hkv, D, b.k_cache.shape[1] // b.meta.block_size, b.meta.block_size, dtype=torch.int8)
-        caches = [pool.layer(0), KVCache(1, Hkv, D, pool.num_blocks, b.meta.block_size, dtype=torch.int8).layer(0)]
+        pools = [KVCache(1, Hkv, D, b.k_cache.shape[1] // b.meta.block_size, b.meta.block_size, dtype=torch.int8,
+                         device=TRITON_DEVICE) for _ in range(2)]
+        caches = [pool.layer(0) for pool in pools]
     else:
         caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(2)]
     backend = get_backend("triton")

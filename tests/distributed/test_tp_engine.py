@@ -13,7 +13,7 @@ def test_tp2_engine_equals_tp1(tiny_model_dir, wiki_texts):
               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
               SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
-    kw = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=64, check_integrity=True)
+    kw = dict(device="cpu", kv_cache_memory=16 << 20, max_num_batched_tokens=64, check_integrity=True)  # gloo ranks
     one = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(tiny_model_dir, tensor_parallel_size=2, **kw)
     two = llm.generate(prompts, params, use_tqdm=False)
@@ -28,9 +28,9 @@ def test_tp2_engine_preempts_like_tp1(tiny_model_dir, wiki_texts):
     and the greedy tokens still equal an unconstrained TP=1 run's."""
     prompts = [t[:240] for t in wiki_texts[4:10]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = LLM(tiny_model_dir, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False)
+    want = LLM(tiny_model_dir, device="cpu", kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False)
     for mode in ({}, {"preemption_mode": "swap", "swap_space": 8 << 20}):
-        llm = LLM(tiny_model_dir, tensor_parallel_size=2, num_blocks=16, check_integrity=True, **mode)
+        llm = LLM(tiny_model_dir, device="cpu", tensor_parallel_size=2, num_blocks=16, check_integrity=True, **mode)
         got = llm.generate(prompts, params, use_tqdm=False)
         assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want], mode
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"

@@ -39,8 +39,8 @@ def test_bad_kv_cache_dtype_is_named(tiny_model_dir):
 
 def test_smollm2_int8_cache_agrees_with_fp32_greedy(smollm2_path):
     """Greedy continuations from an int8 cache match the fp32 cache's on the first tokens of every prompt."""
-    ref = _greedy(LLM(dtype="float32", num_blocks=32), 12)
-    got = _greedy(LLM(dtype="float32", num_blocks=32, kv_cache_dtype="int8"), 12)
+    ref = _greedy(LLM(smollm2_path, dtype="float32", num_blocks=32), 12)
+    got = _greedy(LLM(smollm2_path, dtype="float32", num_blocks=32, kv_cache_dtype="int8"), 12)
     agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
     assert min(agree) >= 8, agree
     assert sum(agree) >= 0.9 * sum(len(r) for r in ref), agree

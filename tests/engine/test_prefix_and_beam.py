@@ -71,10 +71,13 @@ def test_beam_search_matches_hf(smollm2_path, wiki_texts):
     assert llm.engine.kv.stats()["used"] == 0
 
 
-def test_requests_arriving_together_share_a_prefix_being_computed(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_arriving_together_share_a_prefix_being_computed(tiny_model_dir, async_scheduling):
     """8 requests with one 64-token system prompt submitted at once: the first computes it, the others
-    wait a step and read its blocks instead of prefilling the same tokens concurrently."""
-    llm = LLM(tiny_model_dir, kv_cache_memory=64 << 20, check_integrity=True)
+    wait a step and read its blocks instead of prefilling the same tokens concurrently (under async scheduling
+    too, where the first step is still in flight when the second is scheduled: CUDA's default)."""
+    llm = LLM(tiny_model_dir, device="cpu", kv_cache_memory=64 << 20, check_integrity=True,
+              async_scheduling=async_scheduling)
     system = [500 + i for i in range(64)]
     prompts = [system + [9000 + i, 9100 + i, 9200 + i] for i in range(8)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)

@@ -47,7 +47,7 @@ def test_bf16_model_pages_adapters_in_bf16(tiny_model_dir, tiny_adapters):
     assert 2 * nbytes == packed_bytes(shapes, 16)
     assert len(pages) == -(-nbytes // cache.page_bytes) < -(-2 * nbytes // cache.page_bytes)
     stored = cache.read_pages(pages, nbytes).view(torch.bfloat16)
-    assert torch.equal(stored, pack(load_adapter(lora, shapes, 16), shapes).bfloat16())
+    assert torch.equal(stored.cpu(), pack(load_adapter(lora, shapes, 16), shapes).bfloat16())
     llm.engine.core.check_integrity()
     llm.engine.shutdown()
 

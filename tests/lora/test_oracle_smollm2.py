@@ -13,7 +13,7 @@ TEXTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 def test_eight_adapters_mixed_match_peft(smollm2_dir, hf_with_adapters):
     smol_hf, smol_adapters = hf_with_adapters(smollm2_dir, 200)
-    llm = LLM(enable_lora=True, max_loras=8, max_lora_rank=16, dtype="float32", kv_cache_memory=256 << 20,
+    llm = LLM(smollm2_dir, enable_lora=True, max_loras=8, max_lora_rank=16, dtype="float32", kv_cache_memory=256 << 20,
               check_integrity=True)
     prompts = [llm.tokenizer.encode(t) for t in TEXTS]
     loras = [None] + [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(smol_adapters)]

@@ -81,7 +81,7 @@ def test_tp2_mixed_batch_equals_tp1_and_peft(tiny_model_dir, tiny_hf, tiny_adapt
     prompts = [p for _ in loras for p in PROMPTS]
     per_prompt = [lr for lr in loras for _ in PROMPTS]
     params = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
-    kw = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 16, "dtype": "float32", "kv_cache_memory": 4 << 20,
+    kw = {"device": "cpu", "enable_lora": True, "max_loras": 3, "max_lora_rank": 16, "dtype": "float32", "kv_cache_memory": 4 << 20,
           "block_size": 16, "check_integrity": True}
     one = LLM(tiny_model_dir, **kw)
     want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)]

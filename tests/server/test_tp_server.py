@@ -13,7 +13,7 @@ def test_server_with_tensor_parallel_equals_tp1(tiny_model_dir, wiki_texts):
     prompts = [t[:200] for t in wiki_texts[:2]]
     want = LLM(tiny_model_dir, kv_cache_memory=16 << 20).generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    with live_server(dict(model=tiny_model_dir, tensor_parallel_size=2, kv_cache_memory=16 << 20)) as srv:
+    with live_server(dict(model=tiny_model_dir, device="cpu", tensor_parallel_size=2, kv_cache_memory=16 << 20)) as srv:
         headers = {"Authorization": f"Bearer {API_KEY}"}
         for prompt, ref in zip(prompts, want):
             r = httpx.post(f"{srv.url}/v1/completions", headers=headers, timeout=120,

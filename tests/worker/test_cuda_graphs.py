@@ -156,10 +156,13 @@ def test_engine_greedy_with_decode_graphs_equals_eager(tiny_model_dir, monkeypat
     bucket's grid is fixed."""
     prompts = [[5, 17, 300, 42] * 3, [7, 8, 9], [100, 200, 300, 400, 500]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 6)]
-    kw = dict(kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, check_integrity=True)
-    eager = LLM(tiny_model_dir, attention_backend="cpu", enforce_eager=True, **kw)
+    # the C++ kernels on the CPU; Triton in its interpreter on the CPU, or on the GPU with real graphs where one is
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    kw = dict(device=dev, kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4, check_integrity=True)
+    eager = LLM(tiny_model_dir, attention_backend="cpu" if dev == "cpu" else backend, enforce_eager=True, **kw)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(cuda_graphs, "graph_capture", lambda device: RerunCapture())
+    if dev == "cpu":
+        monkeypatch.setattr(cuda_graphs, "graph_capture", lambda device: RerunCapture())
     llm = LLM(tiny_model_dir, attention_backend=backend, **kw)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -178,7 +181,7 @@ def test_whole_decode_step_in_one_graph_samples_as_the_eager_sampler(tiny_model_
               SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=1.2, seed=4, max_tokens=7, ignore_eos=True),
               SamplingParams(temperature=0.7, seed=5, top_k=20, logprobs=2, max_tokens=3, ignore_eos=True)]
-    kw = dict(attention_backend="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+    kw = dict(device="cpu", attention_backend="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4,
               check_integrity=True)
     eager = LLM(tiny_model_dir, enforce_eager=True, **kw)
     want = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)

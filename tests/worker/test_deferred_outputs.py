@@ -36,7 +36,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
           SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True),
           SamplingParams(temperature=1.2, seed=4, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0, max_tokens=7, stop_token_ids=[0], ignore_eos=False)]
-KW = dict(attention_backend="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+KW = dict(device="cpu", attention_backend="cpu", kv_cache_memory=4 << 20, max_num_batched_tokens=16, max_num_seqs=4,
           check_integrity=True)
 
 

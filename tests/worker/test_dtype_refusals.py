@@ -81,3 +81,14 @@ def test_an_ampere_or_later_gpu_defaults_to_bf16(monkeypatch):
     monkeypatch.setattr(device_mod, "resolve_device", lambda name: CUDA)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert DeviceConfig.from_args(EngineArgs(device="cuda")).dtype == torch.bfloat16
+
+
+def test_more_tensor_parallel_ranks_than_gpus_is_refused_naming_the_field(monkeypatch):
+    """NCCL cannot run two ranks on one GPU ("Duplicate GPU detected", seen on an H200): refused before any rank
+    starts a collective, naming tensor_parallel_size and the CPU's gloo ranks as the way out."""
+    monkeypatch.setattr(device_mod, "resolve_device", lambda name: CUDA)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 needs 2 GPUs.*has 1.*device 'cpu'"):
+        DeviceConfig.from_args(EngineArgs(device="cuda", tensor_parallel_size=2))
+    assert DeviceConfig.from_args(EngineArgs(device="cuda", tensor_parallel_size=1)).device == CUDA
