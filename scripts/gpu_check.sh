@@ -33,9 +33,12 @@ if (( DRY )); then
 else
   DEVICE=cuda SHAPES=llama-1b,qwen2-bias,smollm2-shape PORT=8971
   T_SETUP=30 T_MODELS=45 T_TESTS=180 T_ORACLE=120 T_ORACLE_BIG=45 T_SERVER=50 T_BENCH=30
-  # bench lora's smoke test runs the embedded GGUF itself, which cannot travel (over the 64 MiB a call carries)
+  # deselected: bench lora's smoke test runs the embedded GGUF itself, which cannot travel (a call carries 64 MiB);
+  # int8-vs-fp32 greedy agreement needs the real weights' peaked logits (random weights tie: the oracle part
+  # checks int8 against HF with its near-tie rule instead)
   TESTS=(tests/attention tests/worker tests/kv tests/spec_decode tests/engine tests/lora -m "not slow"
-         --deselect tests/lora/test_bench_lora.py::test_bench_lora_quick)
+         --deselect tests/lora/test_bench_lora.py::test_bench_lora_quick
+         --deselect tests/engine/test_kv_quant_engine.py::test_smollm2_int8_cache_agrees_with_fp32_greedy)
   ORACLE=(--model "$WORK/models/qwen2-bias" --prompts 4 --max-tokens 12)
   SERVE_MODEL="$WORK/models/qwen2-bias"
 fi

@@ -100,7 +100,9 @@ def write_int8(x: torch.Tensor, cache: QuantizedKV, slot_mapping: torch.Tensor) 
     amax = x.abs().amax(-1)  # [Hkv, T]
     run_max = amax.new_zeros(x.shape[0], len(blocks)).scatter_reduce_(1, run.expand_as(amax), amax, "amax")
     old = torch.where(off0 > 0, cache.scale[:, blocks], 0.0)  # [Hkv, runs]
-    new = torch.maximum(old, run_max / INT8_MAX)
+    # divided by a device tensor, not a Python number: CUDA computes ``t / number`` as ``t * (1 / number)``, an ulp
+    # off the CPU's division, and the pools written on the two devices would differ (seen on an H200)
+    new = torch.maximum(old, run_max / run_max.new_tensor(INT8_MAX))
     grew = torch.nonzero(((new > old) & (off0 > 0)).any(0)).squeeze(1)
     if len(grew):  # re-round the earlier rows of blocks whose scale grew
         in_block = torch.arange(bs, device=x.device)

@@ -70,6 +70,15 @@ def test_factories_need_the_step_device_and_derived_tensors_pass():
     device_check.RECORDED.clear()
 
 
+def test_code_torch_generates_is_not_checked():
+    """torch.compile's generated wrappers (filename ``<string>``) may pass a scalar as a host tensor (compiled flex
+    on CUDA does); the same call from a file is still caught."""
+    with DeviceCheck("cpu"):
+        exec(compile("torch.arange(3)", "<string>", "exec"), {"torch": torch})
+        with pytest.raises(DeviceCheckError, match="without device="):
+            torch.arange(3)
+
+
 def test_other_device_names_are_compared_by_type_and_index():
     with DeviceCheck("cuda:0") as mode:
         assert mode.device == torch.device("cuda:0")
