@@ -7,7 +7,8 @@
 #   oracle   every backend x dtype x KV dtype against HF on the same GPU (Qwen2), then the 1 B Llama on triton
 #   server   the OpenAI server on CUDA: completions, chat, json_schema, streaming
 #   bench    `pagedllm bench gpu`, where this branch has it
-# Full logs go to $OUT (one file per part); the summary table is the last lines printed.
+# Full logs go to $OUT (one file per part, 8 files with the summary: the device tool brings back at most 8, so
+# copy nothing else there); the summary table is the last lines printed.
 #
 # usage: OUT=/some/dir bash scripts/gpu_check.sh [--dry-run]
 #   --dry-run: every part on the CPU, tiny and quick (what CI runs: tests/test_gpu_check_script.py)
