@@ -11,6 +11,12 @@ import torch
 from pagedllm.config.args_help import ENGINE_FLAG_HELP, GIB_FIELDS, SIZE_FIELDS, parse_gib_size, parse_size
 
 
+def check_block_size(block_size: object) -> None:
+    """ValueError unless ``block_size`` is a power of two in 1..256 (what the pool and every kernel take)."""
+    if not isinstance(block_size, int) or not 1 <= block_size <= 256 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
@@ -71,6 +77,7 @@ class EngineArgs:
             self.max_num_batched_tokens = 8192 if on_gpu else 1024
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_block_size(self.block_size)  # before anything divides by it (0 was a ZeroDivisionError)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

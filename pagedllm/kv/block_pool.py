@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from pagedllm.config.args import check_block_size
 from pagedllm.kv.block_eviction import LRUEviction, ReuseEviction, make_eviction
 from pagedllm.kv.reuse_score import NO_KEY
 
@@ -95,8 +96,7 @@ class BlockPool:
     cached block under the ``reuse`` eviction policy)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, eviction: str = "lru") -> None:
-        if not isinstance(block_size, int) or not 1 <= block_size <= 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
+        check_block_size(block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from pagedllm.config.args import EngineArgs
 from pagedllm.kv import Block, BlockPool, BlockTable, FreeBlockQueue, KVCache, KVCacheManager, hash_block, slot_mapping
 from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, hash_block_chain
 
@@ -18,6 +19,8 @@ from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, hash_block_chain
 def test_block_size_must_be_power_of_two(bs) -> None:
     with pytest.raises(ValueError, match="power of two"):
         BlockPool(8, bs)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):  # at the engine's arguments, before
+        EngineArgs(block_size=bs)  # the worker divides by it (0 was a ZeroDivisionError from LLM(block_size=0))
 
 
 @pytest.mark.parametrize("bs", [1, 2, 16, 256])
