@@ -47,3 +47,14 @@ def test_bad_size_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
     assert "invalid size 'lots'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": -3}, "num_blocks"), ({"kv_cache_memory": -1}, "kv_cache_memory"),
+    ({"kv_cache_fraction": 2.0}, "kv_cache_fraction"), ({"swap_space": -1}, "swap_space"),
+    ({"max_model_len": 0}, "max_model_len"), ({"max_model_len": -5}, "max_model_len")])
+def test_bad_engine_sizes_are_refused_naming_the_field(kw, field):
+    """Each was accepted (swap_space -1, max_model_len 0), failed later naming another field (num_blocks 0: "raise
+    --kv-cache-memory") or failed inside torch (max_model_len -5: "Dimension size must be non-negative")."""
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        EngineArgs(**kw)

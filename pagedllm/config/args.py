@@ -78,6 +78,16 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check_block_size(self.block_size)  # before anything divides by it (0 was a ZeroDivisionError)
+        bad = [f"{name} must be {rule}, got {value!r}" for name, value, ok, rule in (
+            ("num_blocks", self.num_blocks, self.num_blocks is None or self.num_blocks >= 1, ">= 1"),
+            ("kv_cache_memory", self.kv_cache_memory, self.kv_cache_memory is None or self.kv_cache_memory > 0,
+             "positive (bytes)"),
+            ("kv_cache_fraction", self.kv_cache_fraction, 0.0 < self.kv_cache_fraction <= 1.0, "in (0, 1]"),
+            ("swap_space", self.swap_space, self.swap_space >= 0, ">= 0 (bytes)"),
+            ("max_model_len", self.max_model_len, self.max_model_len is None or self.max_model_len >= 1, ">= 1"),
+        ) if not ok]
+        if bad:  # each was accepted or failed later with another field's name (num_blocks=0: "raise kv_cache_memory")
+            raise ValueError("; ".join(bad))
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
