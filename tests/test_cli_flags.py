@@ -52,9 +52,11 @@ def test_bad_size_is_a_usage_error(capsys):
 @pytest.mark.parametrize("kw, field", [
     ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": -3}, "num_blocks"), ({"kv_cache_memory": -1}, "kv_cache_memory"),
     ({"kv_cache_fraction": 2.0}, "kv_cache_fraction"), ({"swap_space": -1}, "swap_space"),
-    ({"max_model_len": 0}, "max_model_len"), ({"max_model_len": -5}, "max_model_len")])
+    ({"max_model_len": 0}, "max_model_len"), ({"max_model_len": -5}, "max_model_len"),
+    ({"kv_disk_size": -1}, "kv_disk_size"), ({"seed": "x"}, "seed"), ({"seed": None}, "seed")])
 def test_bad_engine_sizes_are_refused_naming_the_field(kw, field):
-    """Each was accepted (swap_space -1, max_model_len 0), failed later naming another field (num_blocks 0: "raise
-    --kv-cache-memory") or failed inside torch (max_model_len -5: "Dimension size must be non-negative")."""
+    """Each was accepted (swap_space -1, max_model_len 0, kv_disk_size -1 without a disk path), failed later naming
+    another field (num_blocks 0: "raise --kv-cache-memory") or none (seed "x": "invalid literal for int()"), or
+    failed inside torch (max_model_len -5: "Dimension size must be non-negative")."""
     with pytest.raises(ValueError, match=f"^{field} must be"):
         EngineArgs(**kw)

@@ -85,6 +85,8 @@ class EngineArgs:
             ("kv_cache_fraction", self.kv_cache_fraction, 0.0 < self.kv_cache_fraction <= 1.0, "in (0, 1]"),
             ("swap_space", self.swap_space, self.swap_space >= 0, ">= 0 (bytes)"),
             ("max_model_len", self.max_model_len, self.max_model_len is None or self.max_model_len >= 1, ">= 1"),
+            ("kv_disk_size", self.kv_disk_size, self.kv_disk_size > 0, "positive (bytes)"),
+            ("seed", self.seed, isinstance(self.seed, int) and not isinstance(self.seed, bool), "an int"),
         ) if not ok]
         if bad:  # each was accepted or failed later with another field's name (num_blocks=0: "raise kv_cache_memory")
             raise ValueError("; ".join(bad))

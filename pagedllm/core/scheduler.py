@@ -40,7 +40,7 @@ class SchedulerConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.policy not in ("fcfs", "lpm", "priority"):
-            raise ValueError(f"policy must be 'fcfs', 'lpm' or 'priority', got {self.policy!r}")
+            raise ValueError(f"scheduling_policy must be 'fcfs', 'lpm' or 'priority', got {self.policy!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
