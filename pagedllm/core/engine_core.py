@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from pagedllm.config.args import EngineArgs
@@ -31,6 +32,7 @@ from pagedllm.kv.tier_setup import build_tiers
 from pagedllm.lora.pager import AdapterPager
 
 log = logging.getLogger("pagedllm.core")
+GRAMMAR_WAIT_S = 0.01  # an idle core waits this long for a grammar before it reads its commands again
 
 
 @dataclass
@@ -86,6 +88,7 @@ class EngineCore:
         self.scheduler.adapters = AdapterPager.for_engine(args, spec, self.kv)  # issue 32: adapters in KV pages
         self.beam = BeamSearch(self)
         self._structured = None  # StructuredOutputManager, made with the first structured request
+        self._compiling: dict[str, Future] = {}  # requests whose grammar compiles; they join the scheduler after
         self.speculator = Speculator.from_config(args.speculative_config, getattr(self.executor, "worker", None),
                                                  spec.block_size)
         self.requests: dict[str, Request] = {}
@@ -114,18 +117,40 @@ class EngineCore:
             req.arrival_time = req.metrics.arrival_time = r.arrival_time
         seq = Sequence(req, 0, list(r.prompt_token_ids))
         req.seqs.append(seq)
-        if r.params.structured_outputs is not None:
-            self.structured.add(seq.seq_id, r.params.structured_outputs, r.prompt_token_ids)
+        compiling = None
+        if r.params.structured_outputs is not None:  # a spec that does not parse is refused here, at once
+            compiling = self.structured.prepare(r.params.structured_outputs)
         if self.speculator is not None:
             self.speculator.start(r.request_id, req.prompt_token_ids)
         self.requests[r.request_id] = req
-        self.scheduler.add(req)
+        if compiling is None:
+            self.scheduler.add(req)
+        else:
+            self._compiling[r.request_id] = compiling
+            self._take_compiled()  # a spec compiled before is in already
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar is compiled join the scheduler; one whose compile failed ends with the reason.
+        Until then a request holds no blocks, and the other requests' steps go on while its grammar compiles."""
+        for request_id, compiling in list(self._compiling.items()):
+            if not compiling.done():
+                continue
+            del self._compiling[request_id]
+            req = self.requests[request_id]
+            try:
+                compiled = compiling.result()
+            except Exception as e:  # noqa: BLE001 - this request fails with the reason, the others go on
+                self.abort_request(request_id, error=str(e))
+                continue
+            self.structured.add(req.seqs[0].seq_id, req.params.structured_outputs, req.prompt_token_ids, compiled)
+            self.scheduler.add(req)
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         """Stop a request and free its blocks; with ``error`` its caller hears why (serving it failed)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._compiling.pop(request_id, None)  # its compile goes on: requests with the same spec share it
         if error is not None:
             out = self._output(req)
             out.error, out.finished = error, True
@@ -156,7 +181,8 @@ class EngineCore:
         """Work queued, or a step in flight with a sequence still going (one whose sequences all stopped a
         step late has nothing to show: the next step folds it in)."""
         step = self._in_flight
-        return self.scheduler.has_work() or (step is not None and not all(c.seq.finished for c in step.sched.chunks))
+        return (self.scheduler.has_work() or bool(self._compiling)
+                or (step is not None and not all(c.seq.finished for c in step.sched.chunks)))
 
     @property
     def structured(self):
@@ -202,6 +228,8 @@ class EngineCore:
         step (its sequences' last tokens are ``PENDING_TOKEN`` places the worker fills) before folding
         this one's tokens in, so outputs come one call later."""
         t0 = time.monotonic()
+        if self._compiling:
+            self._wait_for_grammars()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
@@ -238,6 +266,13 @@ class EngineCore:
             self._update(sched, so, ro)
             self._finish_step(sched, t0)
         return self._take_outputs()
+
+    def _wait_for_grammars(self) -> None:
+        """Take in the compiled grammars; with nothing else to run, first wait a little for one (the core's
+        loop would otherwise spin on a core the compile needs)."""
+        if not self.scheduler.has_work() and self._in_flight is None:
+            wait(list(self._compiling.values()), timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        self._take_compiled()
 
     def _overlaps(self, sched: Schedule) -> bool:
         """Whether this step may stay in flight: async scheduling on, and only plain requests in it (beam
@@ -539,6 +574,8 @@ class EngineCore:
         return self.spec.model_name
 
     def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         if self.kv_events is not None:
             self.kv_events.close()
         self.kv.close()  # the pool's cached blocks to the KV tiers (a restart finds them on disk)

@@ -16,7 +16,7 @@ from pagedllm.structured.compile_worker import CompileWorker
 from pagedllm.structured.limits import StructuredLimits, check_limits
 from pagedllm.structured.params import StructuredOutputsParams
 
-DEFAULT_COMPILE_TIMEOUT_S = 3.0  # the engine compiles an admitted spec again: it must be quick there too
+DEFAULT_COMPILE_TIMEOUT_S = 3.0  # the engine compiles an admitted spec again, on a thread beside its steps
 VERDICT_CACHE_ENTRIES = 1024
 
 

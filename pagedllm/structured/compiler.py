@@ -38,35 +38,51 @@ class GrammarCompiler:
         self.hits = 0
         self.misses = 0
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar for ``params``; ValueError naming the field if the spec is invalid."""
+    def parse(self, params: StructuredOutputsParams) -> xgr.Grammar:
+        """The spec as a grammar, without the tokenizer (well under a millisecond even for a spec whose
+        compile takes seconds): how a bad spec is refused at once. ValueError naming the field."""
+        kind, spec = params.key()
+        try:
+            if kind == "json":
+                return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+            if kind == "json_object":  # OpenAI's json_object promises an object, not any JSON value
+                return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(spec)
+            if kind == "choice":
+                return xgr.Grammar.from_ebnf(choice_grammar(json.loads(spec)))
+            return xgr.Grammar.from_ebnf(spec)
+        except (RuntimeError, ValueError) as e:  # xgrammar reports bad specs as RuntimeError
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {e}") from e
+
+    def cached(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar | None:
+        """The compiled grammar for ``params`` if it is in the cache (counted as a hit), else None."""
         key = params.key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return self._cache[key]
-        compiled = self._compile(*key)
+        return None
+
+    def compile(self, params: StructuredOutputsParams, grammar: xgr.Grammar | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar for ``params`` (``grammar``: its ``parse``, if the caller has it); ValueError
+        naming the field if the spec is invalid. xgrammar releases the GIL while it compiles, so this may run
+        on a thread beside the engine's steps."""
+        compiled = self.cached(params)
+        if compiled is not None:
+            return compiled
+        grammar = grammar if grammar is not None else self.parse(params)
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except RuntimeError as e:
+            raise ValueError(f"structured_outputs.{params.kind} cannot be compiled: {e}") from e
         with self._lock:
             self.misses += 1
-            self._cache[key] = compiled
+            self._cache[params.key()] = compiled
             while len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
         return compiled
-
-    def _compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
-        try:
-            if kind == "json":
-                return self._compiler.compile_json_schema(spec, any_whitespace=False)
-            if kind == "json_object":  # OpenAI's json_object promises an object, not any JSON value
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
-            if kind == "choice":
-                return self._compiler.compile_grammar(choice_grammar(json.loads(spec)))
-            return self._compiler.compile_grammar(spec)
-        except (RuntimeError, ValueError) as e:  # xgrammar reports bad specs as RuntimeError
-            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {e}") from e
 
     def state(self, params: StructuredOutputsParams) -> GrammarState:
         """A fresh per-sequence matcher for ``params``."""
