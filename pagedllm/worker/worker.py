@@ -23,6 +23,7 @@ from pagedllm.lora.pages import page_dtype
 from pagedllm.lora.sharding import AdapterShard
 from pagedllm.lora.slots import LoRASlots
 from pagedllm.models.forward_pass import ForwardPass, SeqChunk
+from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import load_checkpoint
 from pagedllm.ops import cpu_threads
@@ -53,6 +54,41 @@ class Worker:
         self.device, dtype, kv_dtype = resolved.device, resolved.dtype, resolved.kv_dtype
         backend = backend_for(self.device, args.attention_backend)
         resolved.check_backend(backend)  # before the weights load: a refused setting costs nothing
+        model, cfg, num_kv_heads, eos = self._load_model(args, tp, dtype)
+        dims = (cfg.num_layers, num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
+        max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
+        num_blocks = self._num_blocks(args, dims, max_model_len, lambda kv: forward_pass(model, kv, get_backend(backend)))
+        lora_plan = self._lora_plan(args, cfg, tp, model.act_dtype) if args.enable_lora else None
+        if lora_plan is not None and args.num_blocks is None:  # the adapters' slots come out of the KV budget
+            num_blocks -= -(-lora_plan[2] // KVCache.bytes_per_block(*dims))
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
+        num_host_blocks = KVCache.num_blocks_for_budget(args.swap_space, *dims) if args.swap_space else 0
+        if args.preemption_mode == "swap" and num_host_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (bytes)")
+        self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
+                                dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
+        self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
+        self.forward_pass.threads = cpu_threads.governor_for(args.cpu_thread_policy, self.device, tp is not None)
+        lora = None
+        if lora_plan is not None:  # resident adapters live in KV pages; the compute slots were taken from the budget
+            shapes, shard, _ = lora_plan
+            lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, self.kv_cache, model.act_dtype, self.device,
+                               page_dtype(dtype), shard)
+        graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
+        if graphs is not None:
+            num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
+        self.model_runner = ModelRunner(self.forward_pass, InputBatch(max_model_len, args.block_size, cfg.vocab_size,
+                                                                      self.device), Sampler(eos), graphs, lora)
+        self.spec = KVCacheSpec(num_blocks, num_host_blocks, args.block_size, max_model_len, cfg.vocab_size, eos,
+                                args.model or "SmolLM2-135M-Instruct", model.quantization, str(dtype).split(".")[-1],
+                                str(kv_dtype).split(".")[-1], backend, str(self.device),
+                                {**self.kv_cache.describe(), "page_bytes": self.kv_cache.page_bytes})
+
+    def _load_model(self, args: EngineArgs, tp, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig, int, list[int]]:
+        """The model (or this rank's shard of it) on the device, its config, its KV heads on this rank, and the
+        EOS ids of the config and the tokenizer together."""
         ckpt = load_checkpoint(args.model)
         cfg = ckpt.config
         quantization = args.quantization if self.device.type == "cpu" else "none"  # block GEMMs are CPU kernels
@@ -68,51 +104,31 @@ class Worker:
         tok_eos = ckpt.tokenizer.eos_token_id
         if tok_eos is not None and tok_eos not in eos:
             eos.append(tok_eos)
-        del ckpt
-        dims = (cfg.num_layers, num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
-        max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
-        if args.num_blocks is not None:
-            num_blocks = args.num_blocks
-        elif args.kv_cache_memory is not None:
-            num_blocks = KVCache.num_blocks_for_budget(args.kv_cache_memory, *dims)
-        elif (probe := memory_profile.probe_for(self.device)) is not None:
-            runner = lambda kv: forward_pass(model, kv, get_backend(backend))  # on a scratch pool
-            num_blocks = self._profiled_num_blocks(args, probe, runner, dims, max_model_len)
-        else:
-            num_blocks = KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
-        lora = None
-        if args.enable_lora:  # the adapters' slots come out of the KV cache's budget (whole blocks of it)
-            shapes, shard = LoRAShapes.of(cfg), None
-            if tp is not None:  # this rank pages and computes its shard of each adapter, cut like its base weights
-                from pagedllm.models.sharding import ShardPlan
+        return model, cfg, num_kv_heads, eos
 
-                shard = AdapterShard.of(shapes, ShardPlan.of(cfg, tp.rank, tp.world_size), cfg.head_dim)
-                shapes = shard.shapes
-            lora_bytes = LoRASlots.bytes_for(shapes, args.max_loras, args.max_lora_rank, model.act_dtype)
-            if args.num_blocks is None:
-                num_blocks -= -(-lora_bytes // KVCache.bytes_per_block(*dims))
-        if num_blocks < 1:
-            raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
-        num_host_blocks = KVCache.num_blocks_for_budget(args.swap_space, *dims) if args.swap_space else 0
-        if args.preemption_mode == "swap" and num_host_blocks == 0:
-            raise ValueError("preemption_mode='swap' needs a host tier: set swap_space (bytes)")
-        self.kv_cache = KVCache(cfg.num_layers, num_kv_heads, cfg.head_dim, num_blocks, args.block_size,
-                                dtype=kv_dtype, num_host_blocks=num_host_blocks, device=self.device)
-        self.forward_pass = forward_pass(model, self.kv_cache, get_backend(backend))
-        self.forward_pass.threads = cpu_threads.governor_for(args.cpu_thread_policy, self.device, tp is not None)
-        if args.enable_lora:  # resident adapters live in KV pages; the compute slots were taken from the budget
-            lora = LoRAManager(shapes, args.max_loras, args.max_lora_rank, self.kv_cache, model.act_dtype, self.device,
-                               page_dtype(dtype), shard)
-        graphs = self._decode_graphs(args, tp, kv_dtype, max_model_len)
-        if graphs is not None:
-            num_blocks -= 1  # the last block is the graphs' scratch block: the KV manager never hands it out
-        self.model_runner = ModelRunner(self.forward_pass, InputBatch(max_model_len, args.block_size, cfg.vocab_size,
-                                                                      self.device), Sampler(eos), graphs, lora)
-        self.spec = KVCacheSpec(num_blocks, num_host_blocks, args.block_size, max_model_len, cfg.vocab_size, eos,
-                                args.model or "SmolLM2-135M-Instruct", model.quantization, str(dtype).split(".")[-1],
-                                str(kv_dtype).split(".")[-1], backend, str(self.device),
-                                {**self.kv_cache.describe(), "page_bytes": self.kv_cache.page_bytes})
+    def _num_blocks(self, args: EngineArgs, dims: tuple, max_model_len: int,
+                    make_runner: Callable[[KVCache], ForwardPass]) -> int:
+        """KV blocks before the adapters' slots: as many as asked, or what the budget holds (bytes, a measured
+        share of the GPU's memory, or a fraction of the host's)."""
+        if args.num_blocks is not None:
+            return args.num_blocks
+        if args.kv_cache_memory is not None:
+            return KVCache.num_blocks_for_budget(args.kv_cache_memory, *dims)
+        if (probe := memory_profile.probe_for(self.device)) is not None:
+            return self._profiled_num_blocks(args, probe, make_runner, dims, max_model_len)  # on a scratch pool
+        return KVCache.num_blocks_for_memory_fraction(args.kv_cache_fraction, *dims)
+
+    @staticmethod
+    def _lora_plan(args: EngineArgs, cfg: ModelConfig, tp, act_dtype: torch.dtype) -> tuple[LoRAShapes, AdapterShard | None, int]:
+        """The adapters' shapes on this rank (cut like its base weights under TP), the shard, and the bytes their
+        compute slots take."""
+        shapes, shard = LoRAShapes.of(cfg), None
+        if tp is not None:  # this rank pages and computes its shard of each adapter
+            from pagedllm.models.sharding import ShardPlan
+
+            shard = AdapterShard.of(shapes, ShardPlan.of(cfg, tp.rank, tp.world_size), cfg.head_dim)
+            shapes = shard.shapes
+        return shapes, shard, LoRASlots.bytes_for(shapes, args.max_loras, args.max_lora_rank, act_dtype)
 
     @property
     def model(self) -> LlamaForCausalLM:
