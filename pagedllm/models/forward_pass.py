@@ -75,7 +75,7 @@ class ForwardPass:
         """Hidden states ``[T, E]`` of one flat batch whose metadata is already built (the worker's
         persistent batch builds it from tensors); K/V of every token are written to the pool. ``lora``: the
         step's per-token adapters (``pagedllm.lora.delta.LoRAStep``), None for the base model alone."""
-        started = None if self.threads is None else self.threads.begin()
+        started = None if self.threads is None else self.threads.begin(meta.num_tokens)
         hidden = self.model(input_ids, meta.positions, self.kv_cache, meta, self.backend, lora)
         if started is not None:
             self.threads.end(meta.num_tokens, started)

@@ -10,7 +10,12 @@ at run time; the team's size can. Whether one thread fewer pays depends on the n
 core: it does; a machine oversubscribed many times over: more threads get more of the CPU), so it is measured, not
 inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s`` runs
 ``trial_steps`` steps of one size on the other thread count and as many again on the current one; the other count
-takes over only when its median beats both.
+takes over only when its median beats both, and only for steps of that size. Sizes choose apart because they
+answer apart: a decode step of a few rows is ~150 short parallel regions, each a barrier a parked thread can hold
+up, where a prefill chunk's GEMMs are long enough to use every core they get. One choice for all sizes made serving
+slow: a trial on single-row decode steps that hit its deadline ran every step on one thread for 6 s, prefills
+included, and a verdict won on decode steps would have too (at 2 req/s, TTFT p99 ~2x the fixed policy's; see
+bench/README.md, threads).
 """
 
 from __future__ import annotations
@@ -26,11 +31,16 @@ import torch
 POLICIES = ("adaptive", "fixed")
 
 
+def bucket_of(num_tokens: int) -> int:
+    """Steps of 1, 2-3, 4-7, ... tokens compare with each other and share a thread count."""
+    return max(1, num_tokens).bit_length()
+
+
 @dataclass
 class Trial:
     """One A-B-A comparison on steps of one size: ``other`` must beat ``back`` measured before and after it."""
 
-    back: int  # the thread count the steps ran on
+    back: int  # the thread count the size's steps ran on
     other: int  # the one tried
     bucket: int
     before: float  # median step seconds on ``back`` before the trial
@@ -40,31 +50,48 @@ class Trial:
 
 
 class ThreadGovernor:
-    """Chooses between torch's thread count at start (``most``) and one thread fewer by measuring both. Call
-    :meth:`begin` and :meth:`end` around each forward pass, in the thread that runs them (OpenMP's thread count is
-    per calling thread). A trial runs ``trial_steps`` steps on the other count, then as many back on the current
-    one; the other count wins only if it beats both by ``margin`` (a shared machine's speed drifts)."""
+    """Chooses, per step size, between torch's thread count at start (``most``) and one thread fewer by measuring
+    both. Call :meth:`begin` and :meth:`end` around each forward pass, in the thread that runs them (OpenMP's thread
+    count is per calling thread). A trial runs ``trial_steps`` steps of one size on the other count, then as many
+    back on its current one; the other count wins that size only if it beats both by ``margin`` (a shared machine's
+    speed drifts). Steps of other sizes run on their own counts meanwhile."""
 
     TRIAL_SHARE = 20  # the gap to the next trial is at least this many times the last trial's length
+    # Steps of 64 tokens and more are never tried on fewer threads: their GEMMs split evenly, so a team with one
+    # contended core should take about as long as one thread fewer (not measured), while a trial would run 8 of a
+    # light serving load's few prefills on one thread, each ~2x slower.
+    TRIAL_MAX_BUCKET = bucket_of(63)
 
     def __init__(self, period_s: float = 2.0, trial_steps: int = 8, margin: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter):
         self.period_s, self.trial_steps, self.margin, self._clock = period_s, trial_steps, margin, clock
         self.most: int | None = None
-        self.threads: int | None = None  # what the steps run on now
+        self.chosen: dict[int, int] = {}  # step size (bucket) -> its thread count, where it is not ``most``
+        self.threads: int | None = None  # what the last step ran on
         self.trial: Trial | None = None
         self.samples: dict[tuple[int, int], deque[float]] = {}  # (threads, bucket) -> recent step seconds
         self._next_trial = 0.0
 
-    def begin(self) -> float:
+    def threads_for(self, bucket: int) -> int:
+        """The thread count steps of ``bucket`` run on now (the other one while a trial measures it)."""
+        t = self.trial
+        if t is not None and t.bucket == bucket:
+            return t.other if t.tried is None else t.back
+        return self.chosen.get(bucket, self.most)
+
+    def begin(self, num_tokens: int) -> float:
         if self.most is None:
             self.most = self.threads = torch.get_num_threads()
             self._next_trial = self._clock() + self.period_s
+        threads = self.threads_for(bucket_of(num_tokens))
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
         return self._clock()
 
     def end(self, num_tokens: int, started: float) -> None:
         now = self._clock()
-        bucket = max(1, num_tokens).bit_length()  # steps of 1, 2-3, 4-7, ... tokens compare with each other
+        bucket = bucket_of(num_tokens)
         key = (self.threads, bucket)
         self.samples.setdefault(key, deque(maxlen=self.trial_steps)).append(now - started)
         full = len(self.samples[key]) >= self.trial_steps
@@ -73,30 +100,26 @@ class ThreadGovernor:
             if bucket == t.bucket and full and t.tried is None:  # measured the other count: back, measure again
                 t.tried = statistics.median(self.samples.pop(key))
                 self.samples.pop((t.back, bucket), None)
-                self._set(t.back)
             elif bucket == t.bucket and full:
                 if t.tried < (1 - self.margin) * min(t.before, statistics.median(self.samples[key])):
-                    self._set(t.other)
+                    if t.other == self.most:
+                        self.chosen.pop(bucket, None)
+                    else:
+                        self.chosen[bucket] = t.other
                 self._finish(now)
             elif now >= t.deadline:  # steps of that size stopped coming: no verdict
-                self._set(t.back)
                 self._finish(now)
-        elif now >= self._next_trial and full:
+        elif now >= self._next_trial and full and bucket <= self.TRIAL_MAX_BUCKET:
             other = self.most - 1 if self.threads == self.most else self.most
             self.samples.pop((other, bucket), None)  # a trial measures the machine as it is now
             self.trial = Trial(self.threads, other, bucket, statistics.median(self.samples[key]), now,
                                now + 3 * self.period_s)
-            self._set(other)
 
     def _finish(self, now: float) -> None:
         """The next trial after ``period_s``, or 20 times this trial's length when that is longer: a trial's steps
         on the slower count then cost at most a few % of the time (long W1 steps make long trials)."""
         spent = now - self.trial.started
         self.trial, self._next_trial = None, now + max(self.period_s, self.TRIAL_SHARE * spent)
-
-    def _set(self, threads: int) -> None:
-        torch.set_num_threads(threads)
-        self.threads = threads
 
 
 def governor_for(policy: str, device: torch.device, sharded: bool) -> ThreadGovernor | None:

@@ -12,13 +12,14 @@ from pagedllm.ops.cpu_threads import ThreadGovernor, governor_for
 class FakeSteps:
     """A clock and forward passes whose duration depends on the thread count they run on."""
 
-    def __init__(self, seconds: dict[int, float]):
-        self.t, self.seconds, self.used = 0.0, seconds, []
+    def __init__(self, seconds: dict[int, float], prefill_seconds: dict[int, float] | None = None):
+        self.t, self.seconds, self.prefill_seconds, self.used = 0.0, seconds, prefill_seconds, []
 
     def step(self, g: ThreadGovernor, num_tokens: int = 1) -> None:
-        started = g.begin()
+        started = g.begin(num_tokens)
         self.used.append(torch.get_num_threads())
-        self.t += self.seconds[self.used[-1]]
+        costs = self.prefill_seconds if self.prefill_seconds is not None and num_tokens >= 64 else self.seconds
+        self.t += costs[self.used[-1]]
         g.end(num_tokens, started)
 
     def run(self, g: ThreadGovernor, n: int, num_tokens: int = 1) -> None:
@@ -32,30 +33,44 @@ def test_governor_keeps_the_faster_thread_count_and_retries(two_threads):
     m = FakeSteps(quiet)
     g = ThreadGovernor(period_s=0.5, trial_steps=4, clock=lambda: m.t)
     m.run(g, 1000)  # 10 s of steps on free cores
-    assert g.most == 2 and g.threads == 2 and torch.get_num_threads() == 2
+    assert g.most == 2 and g.threads == 2 and torch.get_num_threads() == 2 and g.chosen == {}
     assert 4 <= m.used.count(1) <= 0.05 * len(m.used), "one thread was tried, in few of the steps"
     m.seconds = contended
     m.run(g, 200)
-    assert g.threads == 1 and torch.get_num_threads() == 1
+    assert g.chosen == {1: 1} and g.threads == 1 and torch.get_num_threads() == 1
     m.seconds = quiet  # the neighbour leaves: a later trial of two threads wins it back
     m.run(g, 400)
-    assert g.threads == 2 and torch.get_num_threads() == 2
+    assert g.chosen == {} and g.threads == 2 and torch.get_num_threads() == 2
 
 
 def test_governor_compares_steps_of_one_size_only(two_threads):
-    """A trial started on decode steps is judged on decode steps: big prefills on the other count don't count."""
+    """A trial started on decode steps is judged on decode steps: a big prefill meanwhile runs on its own count."""
     m = FakeSteps({2: 0.010, 1: 0.018})
     g = ThreadGovernor(period_s=0.095, trial_steps=4, clock=lambda: m.t)
     m.run(g, 12)  # 10 steps on two threads, then the trial's first two on one
     assert (g.trial.back, g.trial.bucket, g.threads) == (2, 1, 1)
     m.seconds = {2: 0.001, 1: 0.001}
-    m.step(g, num_tokens=512)  # a prefill on one thread, faster than any decode step
-    assert g.trial.tried is None and (1, 10) in g.samples
+    m.step(g, num_tokens=512)  # a prefill, faster than any decode step, on its own count (two) during the trial
+    assert m.used[-1] == 2 and g.trial.tried is None and (2, 10) in g.samples and (1, 10) not in g.samples
     m.seconds = {2: 0.010, 1: 0.018}
     m.run(g, 2)  # the trial's 4 decode steps on one thread: back to two, measured again
-    assert g.trial.tried == pytest.approx(0.018) and g.threads == 2
+    assert g.trial.tried == pytest.approx(0.018) and g.threads_for(1) == 2  # the next decode step goes back
     m.run(g, 4)
     assert g.trial is None and g.threads == 2
+
+
+def test_steps_of_each_size_keep_their_own_thread_count(two_threads):
+    """A neighbour on one core: decode steps (barrier-bound) run faster on one thread, prefill chunks (GEMM-bound)
+    still on two. The verdict won on decode steps leaves the prefills on two threads, and they are never tried on
+    one (a trial would put a light serving load's prefills on one thread for a while)."""
+    m = FakeSteps({2: 0.030, 1: 0.018}, prefill_seconds={2: 0.200, 1: 0.380})
+    g = ThreadGovernor(period_s=0.5, trial_steps=4, clock=lambda: m.t)
+    for _ in range(150):  # a serving mix: a prefill chunk after every 9 decode steps
+        m.run(g, 9)
+        m.step(g, num_tokens=100)
+    assert g.chosen == {1: 1}, "decode steps on one thread, prefills (bucket 7) on two"
+    assert m.used[9::10] == [2] * 150, "every prefill ran on two threads"
+    assert m.used[-2] == 1 and m.used[-1] == 2
 
 
 def test_a_trial_whose_step_size_stops_coming_goes_back(two_threads):
@@ -103,4 +118,4 @@ def test_engine_steps_under_contention_on_fewer_threads_with_the_same_tokens(tin
     llm.engine.forward_pass.threads = g = ThreadGovernor(period_s=1.0, trial_steps=2, clock=clock)
     got = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
     assert got == want
-    assert g.threads == 1 and torch.get_num_threads() == 1
+    assert g.chosen == {2: 1} and g.threads == 1 and torch.get_num_threads() == 1  # its 2-row decode steps
