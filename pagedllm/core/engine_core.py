@@ -545,7 +545,7 @@ class EngineCore:
         return {
             **self.kv.stats(),
             "running": self.scheduler.num_running_seqs(),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + len(self._compiling),  # as vLLM counts WAITING_FOR_FSM
             "swapped": len(self.scheduler.swapped),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.stats.prompt_tokens_computed,

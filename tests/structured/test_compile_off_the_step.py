@@ -66,6 +66,7 @@ def test_other_requests_run_while_a_grammar_compiles_then_it_runs_in_its_grammar
     _run(core, outputs, until=lambda: outputs.get("p", {}).get("finished"))
     assert len(outputs["p"]["tokens"]) == 8
     assert "s" not in outputs and "s" in core.requests  # waiting for its grammar
+    assert core.pool_stats()["waiting"] == 1  # and counted as waiting, as vLLM counts WAITING_FOR_FSM
     assert not core.kv.has_seq(core.requests["s"].seqs[0].seq_id)  # and holding no blocks meanwhile
     gate.set()
     _run(core, outputs)
