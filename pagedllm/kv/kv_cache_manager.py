@@ -25,7 +25,7 @@ import torch
 from pagedllm.kv.block_pool import Block, BlockPool
 from pagedllm.kv.block_table import BlockTable
 from pagedllm.kv.kv_quant import raw
-from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, extra_keys_for, hash_block_chain
+from pagedllm.kv.prefix_cache import PrefixCache, PrefixMatch, extra_keys_for, hash_block, hash_block_chain
 from pagedllm.kv.pool_blocks import PoolBlocks
 from pagedllm.kv.tier_store import TierStore
 
@@ -57,6 +57,7 @@ class _Load:
     start: int
     t0: float
     where: list[str]  # the tier of each block from ``start`` ("host" or "disk")
+    tail: tuple[int, ...] | None = None  # the run ends with a tail block of these tokens (its hash is last)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class _Run:
     data: dict
     t0: float
     where: Sequence[str]  # the tier of each block from ``start``, for the per-tier hit counts
+    tail: tuple[int, ...] | None = None  # the run ends with a tail block of these tokens (its hash is last)
 
 
 # Disk reads a schedule asks for are done in line (in the scheduler's thread) while their expected times add up
@@ -219,6 +221,25 @@ class KVCacheManager:
                                      st.hashes[i - 1] if i else None, extra)
         st.num_registered = n_full
 
+    def cache_tail(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None,
+                   lora_id: int = 0) -> None:
+        """Index a finishing sequence's full blocks and its last, partly filled block (``token_ids``: the
+        tokens whose K/V is in the pool), so a prompt that continues it (a chat's next turn) computes only
+        its new tokens; call it just before ``free``. A block shared with another sequence is left alone."""
+        if not self.enable_prefix_caching:
+            return
+        self.cache_full_blocks(seq_id, token_ids, cache_salt, None, lora_id)
+        st = self._seqs.get(seq_id)
+        k, n = divmod(len(token_ids), self.block_size)
+        if st is None or not n or k >= len(st.table.block_ids) or len(st.hashes) < k:
+            return
+        b = st.table.block_ids[k]
+        if self.pool.blocks[b].ref_count != 1 or b in self._pending:
+            return
+        parent, extra = st.hashes[k - 1] if k else None, extra_keys_for(cache_salt, lora_id)
+        tail = token_ids[k * self.block_size:]
+        self.prefix_cache.insert(b, hash_block(parent, tail, extra, self.prefix_cache.key), tail, k, parent, extra)
+
     def import_blocks(self, hashes: Sequence[int], token_ids: Sequence[int],
                       cache_salt: str | None = None, lora_id: int = 0) -> list[tuple[int, int]]:
         """Index full blocks computed by another engine (a peer replica, a prefill replica) in the
@@ -242,13 +263,15 @@ class KVCacheManager:
         return self._index_blocks(hashes, token_ids, extra)
 
     def _index_blocks(self, hashes: Sequence[int], token_ids: Sequence[int], extra: tuple,
-                      start: int = 0) -> list[tuple[int, int]]:
+                      start: int = 0, tail: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
         """Give blocks ``start..`` of a chain missing from the pool a free block each and index them
-        (cached-free); ``[]`` when blocks before ``start`` are no longer cached. Returns the
-        ``(position, block)`` pairs whose K/V the caller writes now."""
+        (cached-free); ``[]`` when blocks before ``start`` are no longer cached. ``tail``: the last hash
+        is a tail block of these tokens. Returns the ``(position, block)`` pairs whose K/V the caller
+        writes now."""
         pool, bs = self.pool, self.block_size
+        full = len(hashes) - (tail is not None)
         # One extra token lifts match's "leave one token to compute" cap: every block is looked up.
-        held = self.prefix_cache.match([*token_ids[:len(hashes) * bs], 0], extra, record=False).blocks
+        held = self.prefix_cache.match([*token_ids[:full * bs], 0], extra, record=False).blocks
         if len(held) < start:
             return []
         for b in held:
@@ -259,8 +282,8 @@ class KVCacheManager:
                 break
             b = pool.allocate()
             held.append(b)
-            if self.prefix_cache.insert(b, hashes[i], token_ids[i * bs:(i + 1) * bs], i, hashes[i - 1] if i else None,
-                                        extra):
+            tokens = token_ids[i * bs:(i + 1) * bs] if i < full else tail
+            if self.prefix_cache.insert(b, hashes[i], tokens, i, hashes[i - 1] if i else None, extra):
                 writes.append((i, b))
         for b in reversed(held):  # the tail is evicted first, as in free()
             pool.free(b)
@@ -312,24 +335,27 @@ class KVCacheManager:
         n = max(len(token_ids) - 1, 0) // bs
         l1 = self.prefix_cache.match(token_ids, extra, record=False)
         k = len(l1.blocks)
-        if k >= n:
-            return False
         hashes = l1.hashes + hash_block_chain(l1.hashes[-1] if k else None, token_ids[k * bs:n * bs], bs, extra,
                                               self.prefix_cache.key)
-        load, inline = self._loads.get(hashes[k]), False
+        load, inline = self._loads.get(hashes[k]) if k < n else None, False
         if load is None:
             tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(k, n)]
             where = self.tiers.locate(hashes[k:], tokens)
+            m, t0 = len(where), time.perf_counter()
+            shared = l1.num_tokens - k * bs if l1.tail is not None and not m else 0  # L1's tail, if the run ends there
+            tail = self._tail_in_tiers(token_ids, k + m, hashes, extra, shared)
+            run = hashes[:k + m]
+            if tail is not None:  # the tail after the run: promoted with it, last
+                run, where, tail = [*run, tail[0]], [*where, tail[1]], tail[2]
+                tokens = [*tokens[:m], tail]
             if not where:
                 return False
-            m, t0 = len(where), time.perf_counter()
             if "disk" not in where:
-                self._land([_Run(hashes[:k + m], token_ids, extra, k, self.tiers.load_host(hashes[k:k + m]), t0,
-                                 where)])
+                self._land([_Run(run, token_ids, extra, k, self.tiers.load_host(run[k:]), t0, where, tail)])
                 return False
-            inline = self._read_fits(where.count("disk"))
-            load = self._loads[hashes[k]] = _Load(self.tiers.load_disk(hashes[k:k + m], tokens[:m], where, inline),
-                                                   hashes[:k + m], list(token_ids[:(k + m) * bs]), extra, k, t0, where)
+            inline = not m or self._read_fits(where.count("disk"))  # a tail alone: one block, read now
+            load = self._loads[run[k]] = _Load(self.tiers.load_disk(run[k:], tokens[:len(where)], where, inline),
+                                               run, list(token_ids[:(k + m) * bs]), extra, k, t0, where, tail)
             if inline:
                 self._waited_s += time.perf_counter() - t0
         if wait:
@@ -338,6 +364,20 @@ class KVCacheManager:
             return True
         self._land_finished()
         return False
+
+    def _tail_in_tiers(self, token_ids: Sequence[int], j: int, hashes: Sequence[int], extra: tuple,
+                       longer_than: int = 0) -> tuple[int, str, tuple[int, ...]] | None:
+        """The longest tail after the chain's ``j`` full blocks that L2/L3 hold, of more than ``longer_than``
+        tokens, that the prompt continues whole leaving a token to compute: (hash, tier, tokens), or None.
+        One lookup per length (at most ``block_size - 1``)."""
+        assert self.tiers is not None
+        bs, parent = self.block_size, hashes[j - 1] if j else None
+        for n in range(min(bs - 1, len(token_ids) - 1 - j * bs), longer_than, -1):
+            tail = tuple(token_ids[j * bs:j * bs + n])
+            h = hash_block(parent, tail, extra, self.prefix_cache.key)
+            if (where := self.tiers.find(h, tail)) is not None:
+                return h, where, tail
+        return None
 
     def _read_fits(self, disk_blocks: int) -> bool:
         """Whether a read of ``disk_blocks`` fits what is left of this schedule's budget for reading in line,
@@ -356,8 +396,10 @@ class KVCacheManager:
             if ld.future.done():
                 del self._loads[key]
                 data, m = ld.future.result()
-                if m:
-                    runs.append(_Run(ld.hashes[:ld.start + m], ld.token_ids, ld.extra, ld.start, data, ld.t0, ld.where))
+                if m:  # a tail comes last: a run cut short (a missing or corrupt file) lands without it
+                    tail = ld.tail if ld.start + m == len(ld.hashes) else None
+                    runs.append(_Run(ld.hashes[:ld.start + m], ld.token_ids, ld.extra, ld.start, data, ld.t0, ld.where,
+                                     tail))
         if runs:
             self._land(runs)
 
@@ -367,7 +409,7 @@ class KVCacheManager:
         assert self.tiers is not None and self._kv_cache is not None
         self._landing = {}
         for run in runs:
-            for i, b in self._index_blocks(run.hashes, run.token_ids, run.extra, run.start):  # positions >= start
+            for i, b in self._index_blocks(run.hashes, run.token_ids, run.extra, run.start, run.tail):  # >= start
                 self._landing[b] = (run, i - run.start)
         landing, self._landing = self._landing, {}
         by_run: dict[int, tuple[_Run, list[int], list[int]]] = {}
@@ -425,7 +467,8 @@ class KVCacheManager:
         """Make the sequence's table cover ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``prefix`` (first call only) must come from ``match_prefix`` with ``num_computed_tokens ==
-        prefix.num_tokens``; its blocks join the table with one more reference each. Every shared
+        prefix.num_tokens``; its blocks join the table with one more reference each, and its tail, if
+        any, is copied into a fresh block (held until the copy is taken). Every shared
         block in the write range ``[num_computed, num_computed + num_new)`` is replaced by a fresh
         one (copy-on-write; the copy is queued only when the block holds computed tokens). False
         means not enough free blocks (or the prefix went stale since the match) and nothing
@@ -439,13 +482,16 @@ class KVCacheManager:
             raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap_in first")
         table = st.table.block_ids if st is not None else []
         pre = prefix.blocks if prefix is not None else []
-        if prefix is not None and pre:
+        tail = prefix.tail if prefix is not None else None
+        if prefix is not None and (pre or tail is not None):
             if table:
                 raise ValueError("a prefix can only be passed on a sequence's first allocation")
             if num_computed_tokens != prefix.num_tokens:
                 raise ValueError(f"num_computed_tokens {num_computed_tokens} != prefix.num_tokens {prefix.num_tokens}")
             if any(pool.blocks[b].block_hash != h for b, h in zip(pre, prefix.hashes)):
                 return False  # a matched block was handed out since the match
+            if tail is not None and pool.blocks[tail].block_hash != prefix.tail_hash:
+                return False
         total = num_computed_tokens + num_new_tokens
         need_len = -(-total // bs)
         if need_len > self.num_blocks:
@@ -453,7 +499,7 @@ class KVCacheManager:
                 f"sequence {seq_id!r} needs {need_len} blocks for {total} tokens but the pool has only "
                 f"{self.num_blocks} blocks of {bs} tokens"
             )
-        have = len(table) + len(pre)
+        have = len(table) + len(pre) + (tail is not None)
         if num_computed_tokens > have * bs:
             raise ValueError(
                 f"sequence {seq_id!r}: {num_computed_tokens} computed tokens but its table holds {have * bs} slots"
@@ -462,6 +508,8 @@ class KVCacheManager:
         write = range(first, min(need_len, len(table))) if num_new_tokens else range(0)
         cow = {i for i in write if pool.blocks[table[i]].ref_count > 1}
         revive = sum(pool.blocks[b].ref_count == 0 for b in pre)
+        if tail is not None:  # held (revived if free) and copied into a block of its own
+            revive += 1 + (pool.blocks[tail].ref_count == 0)
         new = max(need_len - have, 0)
         if new + len(cow) + revive > pool.num_free:
             return False
@@ -476,6 +524,11 @@ class KVCacheManager:
             table.extend(pre)
             st.hashes = list(prefix.hashes)
             st.num_registered = len(pre)
+        if tail is not None:
+            pool.incref(tail)
+            self._deferred.append(tail)  # released once the step's copies are taken
+            table.append(pool.allocate())
+            self._queue_copy(tail, table[-1])
         if num_new_tokens:
             # Blocks from ``first`` on are (re)written: their old hashes no longer describe them.
             del st.hashes[first:]

@@ -2,7 +2,14 @@
 
 A full block's hash covers its parent's hash, its token ids and extra keys (``cache_salt`` and
 anything else that changes the KV), so equal blocks after different prefixes never share and
-one tenant cannot hit another's blocks. Hashes are 128-bit blake2b digests of a stable byte
+one tenant cannot hit another's blocks. A finished sequence's last, partly filled block (a *tail*:
+fewer than ``block_size`` tokens) is indexed too, hashed the same way over its own tokens (the
+length is in the digest, so a tail never collides with a full block): a prompt that goes on past
+its last full hit finds the tail there holding the longest common prefix with its next tokens (a
+chat's next turn: all of it, the last prompt and answer), as SGLang's radix cache keeps every token
+where vLLM drops the partial block. A tail is never shared in place: the request that hits it gets
+a copy, since it writes the rest of that block. The tiers below the pool find a tail by its hash,
+so only whole. Hashes are 128-bit blake2b digests of a stable byte
 encoding, keyed with a secret (``HASH_KEY``): random per process, so nobody who sees a hash can test
 guessed prompts against it; processes that must agree on hashes (tensor-parallel ranks, replicas
 sharing prefix KV) set the same ``PAGEDLLM_HASH_KEY``. A hit still compares the stored token ids,
@@ -90,6 +97,8 @@ class PrefixMatch:
     hashes: list[int] = field(default_factory=list)  # chain hashes of ``blocks``, reused later
     # of ``num_tokens``, those in blocks promoted from a tier below the pool and not taken since ("host", "disk")
     tier_tokens: dict[str, int] = field(default_factory=dict)
+    tail: int | None = None  # a cached tail block right after ``blocks`` (counted in ``num_tokens``): copy it
+    tail_hash: int | None = None
 
 
 class PrefixCache:
@@ -101,6 +110,10 @@ class PrefixCache:
         self.key = key  # the hash key (None: the process's HASH_KEY); a persistent disk tier needs a stable one
         self.on_drop: Callable[[Block], None] | None = None  # sees each block before its hash is forgotten
         self._index: dict[int, int] = {}
+        # tails by (parent hash, extra keys, first token) and each tail's key: a match past its last full block
+        # compares the tokens of the few tails that can continue it (no hashing)
+        self._tail_of: dict[int, tuple] = {}
+        self._tails: dict[tuple, set[int]] = {}
         pool.on_evict = self._forget
         # KV events (kv/kv_events.py): ("stored", hash, parent hash, token ids, extra keys) or ("removed", hash)
         self.on_event: Callable[..., None] | None = None
@@ -117,13 +130,19 @@ class PrefixCache:
             self.on_drop(b)
         if b.block_hash is not None and self._index.get(b.block_hash) == b.block_id:
             del self._index[b.block_hash]
-            if self.on_event is not None:
+            key = self._tail_of.pop(b.block_hash, None)
+            if key is not None:  # tails are not vLLM blocks: no KV events
+                group = self._tails[key]
+                group.discard(b.block_id)
+                if not group:
+                    del self._tails[key]
+            elif self.on_event is not None:
                 self.on_event("removed", b.block_hash)
 
     def match(self, token_ids: Sequence[int], extra_keys: ExtraKeys = (), record: bool = True) -> PrefixMatch:
-        """Longest cached prefix at block granularity, capped so at least one token is left to
-        compute (a full hit would give the model an empty query). Stops at the first miss.
-        ``record=False`` leaves the stats alone (a probe, e.g. for cache-aware ordering)."""
+        """Longest cached prefix: full blocks up to the first miss, then the longest cached tail there,
+        capped so at least one token is left to compute (a full hit would give the model an empty
+        query). ``record=False`` leaves the stats alone (a probe, e.g. for cache-aware ordering)."""
         bs = self.pool.block_size
         extra = _extra_bytes(extra_keys)
         pool_blocks, index = self.pool.blocks, self._index
@@ -144,27 +163,63 @@ class PrefixCache:
             if record:
                 pool_blocks[bid].hits += 1
         num = len(blocks) * bs
+        tail = self._match_tail(token_ids, num, parent, extra)
+        if tail is not None:
+            bid, n = tail
+            num += n
+            if (t := pool_blocks[bid].tier) is not None:
+                tiers[t] = tiers.get(t, 0) + n
+            if record:
+                pool_blocks[bid].hits += 1
         if record:
             self.queries += 1
             self.query_tokens += len(token_ids)
             self.hits += num > 0
             self.hit_tokens += num
-        return PrefixMatch(blocks, num, hashes, tiers)
+        if tail is None:
+            return PrefixMatch(blocks, num, hashes, tiers)
+        return PrefixMatch(blocks, num, hashes, tiers, tail[0], pool_blocks[tail[0]].block_hash)
+
+    def _match_tail(self, token_ids: Sequence[int], start: int, parent: int | None,
+                    extra: bytes) -> tuple[int, int] | None:
+        """The cached tail after ``parent`` sharing the longest prefix with ``token_ids[start:]``, at most
+        all but its last token: (block, tokens shared), or None."""
+        room = len(token_ids) - 1 - start
+        if not self._tails or room <= 0:
+            return None
+        group = self._tails.get((parent, extra, token_ids[start]))
+        if not group:
+            return None
+        want = token_ids[start:start + min(room, self.pool.block_size - 1)]
+        best, best_n = None, 0
+        for bid in group:
+            n = 0
+            for a, b in zip(self.pool.blocks[bid].token_ids, want):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = bid, n
+        return None if best is None else (best, best_n)
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._index
 
     def insert(self, block_id: int, block_hash: int, token_ids: Sequence[int], depth: int = 0,
                parent_hash: int | None = None, extra_keys: ExtraKeys = ()) -> bool:
-        """Register an in-use full block (the ``depth``-th of its chain; ``parent_hash``: the chain's previous
-        block, and ``extra_keys``: what else its hash covers, for KV events) under ``block_hash``. False
+        """Register an in-use block (the ``depth``-th of its chain; ``parent_hash``: the chain's previous
+        block, and ``extra_keys``: what else its hash covers, for KV events) under ``block_hash``: a full
+        block, or a tail (fewer than ``block_size`` tokens, hashed by ``hash_block`` over them). False
         (nothing changes) when the block already has a hash or another block holds this content."""
         b = self.pool.blocks[block_id]
         if b.block_hash is not None or block_hash in self._index:
             return False
         self.pool.set_hash(block_id, block_hash, tuple(token_ids), depth)
         self._index[block_hash] = block_id
-        if self.on_event is not None:
+        if len(token_ids) < self.pool.block_size:
+            key = self._tail_of[block_hash] = (parent_hash, _extra_bytes(extra_keys), token_ids[0])
+            self._tails.setdefault(key, set()).add(block_id)
+        elif self.on_event is not None:
             self.on_event("stored", block_hash, parent_hash, tuple(token_ids), extra_keys)
         return True
 
@@ -199,8 +254,11 @@ class PrefixCache:
             b = self.pool.blocks[bid]
             if b.block_hash != h:
                 raise AssertionError(f"the index maps a hash to block {bid}, which holds another hash")
-            if b.token_ids is None or len(b.token_ids) != self.pool.block_size:
-                raise AssertionError(f"cached block {bid} does not hold a full block of token ids")
+            full = b.token_ids is not None and len(b.token_ids) == self.pool.block_size
+            if not full and (not b.token_ids or bid not in self._tails.get(self._tail_of.get(h), ())):
+                raise AssertionError(f"cached block {bid} holds neither a full block of token ids nor an indexed tail")
         hashed = sum(b.block_hash is not None for b in self.pool.blocks)
         if hashed != len(self._index):
             raise AssertionError(f"{hashed} hashed blocks but {len(self._index)} indexed")
+        if sum(map(len, self._tails.values())) != len(self._tail_of) or not self._tail_of.keys() <= self._index.keys():
+            raise AssertionError("the tail index does not match the indexed tails")

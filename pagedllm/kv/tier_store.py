@@ -135,6 +135,13 @@ class TierStore:
         self.stats.located_blocks += len(where)
         return where
 
+    def find(self, block_hash: int, tokens: tuple[int, ...]) -> str | None:
+        """Which tier holds one block ("host" first, else "disk"), or None: a probe for a tail, one of up to
+        ``block_size - 1`` lengths, so not counted in the lookup stats (those count blocks of the chain)."""
+        if self.host is not None and self.host.contains(block_hash, tokens):
+            return "host"
+        return "disk" if self.disk is not None and self.disk.contains(block_hash) else None
+
     def load_host(self, hashes: Sequence[int]) -> BlockData:
         """An L2 run as one batch (all must be in L2)."""
         assert self.host is not None

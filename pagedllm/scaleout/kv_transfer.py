@@ -64,7 +64,7 @@ def export_prefix(core: EngineCore, token_ids: list[int], cache_salt: str | None
     if not m.blocks:
         return None
     data = core.export_kv_blocks(m.blocks)
-    return KVBlocks(list(m.hashes), list(token_ids[:m.num_tokens]), cache_salt, data,
+    return KVBlocks(list(m.hashes), list(token_ids[:len(m.blocks) * core.kv.block_size]), cache_salt, data,
                     time.perf_counter() - t0, time.time(), lora_id)
 
 

@@ -116,7 +116,8 @@ def test_prefix_hit_skips_cached_blocks():
     add(core, "b", shared + [2], max_tokens=2)
     run(core)
     first_b = ex.steps[-2].scheduled[0]
-    assert first_b.num_computed == 32 and first_b.num_tokens == 9  # two full blocks from the cache
+    # two full blocks from the cache, and 8 tokens of a's tail (shared[32:40] + [1] + its first output)
+    assert first_b.num_computed == 40 and first_b.num_tokens == 1
     assert ex.steps[-2].new_seqs[0].token_ids == shared + [2]
 
 

@@ -70,7 +70,10 @@ def rebuild(batches: list[tuple[int, bytes]]) -> set[bytes]:
 
 
 def engine_cached(core) -> set[bytes]:
-    return {hash_bytes(b.block_hash) for b in core.kv.pool.blocks if b.block_hash is not None}
+    """The pool's cached full blocks (a finished sequence's tail is cached too, but it is not a vLLM block: no
+    event announces it)."""
+    return {hash_bytes(b.block_hash) for b in core.kv.pool.blocks
+            if b.block_hash is not None and len(b.token_ids) == BS}
 
 
 def test_subscriber_rebuilds_the_cached_set_exactly(tmp_path):
