@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import sys
 import time
 
 from pagedllm.bench.common import RunResult, run_engine
@@ -165,6 +166,7 @@ def run_chat_configs(args, s: Sizes, disk_dir: str) -> list[dict]:
             rows.append(waves_row(name, res["runs"], res["stats"][1], res["stats"][-1], s))
             replay = res["waves"][1:]
         close(llm, rows[-1])
+        _progress(rows[-1])
     llm = engine(args, s, s.chat_l1, s.max_num_seqs, kv_offload_memory=l2_bytes, kv_disk_path=disk_dir)
     name = "after restart (L2 + L3)"
     if users:
@@ -175,4 +177,12 @@ def run_chat_configs(args, s: Sizes, disk_dir: str) -> list[dict]:
         res = run_waves(llm, s, args.seed, replay)
         rows.append(waves_row(name, [None] + res["runs"], res["stats"][0], res["stats"][-1], s))
     close(llm, rows[-1])
+    _progress(rows[-1])
     return rows
+
+
+def _progress(row: dict) -> None:
+    """One line per configuration on stderr: a run of four takes most of an hour below saturation."""
+    print(f"bench tiers: chat, {row['config']}: returning-turn TTFT p50 {1000 * (row['ttft_p50_s'] or 0):.0f} ms, "
+          f"p99 {1000 * (row['ttft_p99_s'] or 0):.0f} ms, {row['hit_tokens']} hit / {row['computed_tokens']} computed "
+          f"tokens", file=sys.stderr, flush=True)
