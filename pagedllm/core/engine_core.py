@@ -208,12 +208,12 @@ class EngineCore:
 
     def release_seq(self, seq: Sequence, reason: str = "abort") -> None:
         """Drop a sequence that will not continue (its blocks and its worker row). One that finished leaves
-        its last, partly filled block findable too (``cache_tail``), for a prompt that continues it: up to its
-        last token, whose K/V a step in flight may still be writing (async scheduling)."""
+        its last, partly filled block findable too (``cache_tail``), for a prompt that continues it: up to, not
+        including, its last token, whose K/V a step in flight may still be writing (async scheduling)."""
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         seq.drop_pending()
         if self.kv.has_seq(seq.seq_id):
-            if reason in ("stop", "length") and not self.kv.is_swapped(seq.seq_id):
+            if reason in ("stop", "length"):  # (a swapped-out sequence holds no pool block: nothing to index)
                 req = seq.request
                 self.kv.cache_tail(seq.seq_id, seq.token_ids[:min(seq.num_computed, seq.num_tokens - 1)],
                                    req.cache_salt, req.lora_id)

@@ -176,9 +176,9 @@ class PrefixCache:
             self.query_tokens += len(token_ids)
             self.hits += num > 0
             self.hit_tokens += num
-        if tail is None:
-            return PrefixMatch(blocks, num, hashes, tiers)
-        return PrefixMatch(blocks, num, hashes, tiers, tail[0], pool_blocks[tail[0]].block_hash)
+        tail_block = tail[0] if tail is not None else None
+        return PrefixMatch(blocks, num, hashes, tiers, tail_block,
+                           None if tail_block is None else pool_blocks[tail_block].block_hash)
 
     def _match_tail(self, token_ids: Sequence[int], start: int, parent: int | None,
                     extra: bytes) -> tuple[int, int] | None:

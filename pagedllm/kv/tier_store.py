@@ -125,19 +125,16 @@ class TierStore:
         """Where each leading block of ``hashes`` is held ("host" first, else "disk"), up to the first miss."""
         where = []
         for h, t in zip(hashes, tokens):
-            if self.host is not None and self.host.contains(h, t):
-                where.append("host")
-            elif self.disk is not None and self.disk.contains(h):
-                where.append("disk")
-            else:
+            if (tier := self.find(h, t)) is None:
                 break
+            where.append(tier)
         self.stats.lookup_blocks += len(hashes)
         self.stats.located_blocks += len(where)
         return where
 
     def find(self, block_hash: int, tokens: tuple[int, ...]) -> str | None:
-        """Which tier holds one block ("host" first, else "disk"), or None: a probe for a tail, one of up to
-        ``block_size - 1`` lengths, so not counted in the lookup stats (those count blocks of the chain)."""
+        """Which tier holds one block ("host" first, else "disk"), or None; not counted in the lookup stats
+        (``locate`` counts blocks of a chain; a tail is probed at up to ``block_size - 1`` lengths)."""
         if self.host is not None and self.host.contains(block_hash, tokens):
             return "host"
         return "disk" if self.disk is not None and self.disk.contains(block_hash) else None
