@@ -4,6 +4,7 @@ the tiers keep and promote tails too; outputs stay token-identical."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
@@ -89,33 +90,46 @@ def test_tails_are_demoted_and_promoted_by_the_tiers():
     m.check_integrity()
 
 
+SP = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+QUESTION = [[900 + 7 * c + t for t in range(6)] for c in range(6)]
+
+
+def chats(model: str, num_blocks: int = 16, **kw) -> tuple[list, list[int]]:
+    """6 conversations x 3 turns, each turn's prompt the last one + its answer + a 6-token question: the
+    outputs and each request's computed prompt tokens; the pool empty and intact after."""
+    llm = LLM(model, dtype="float32", num_blocks=num_blocks, check_integrity=True, **kw)
+    history = [[1000 + 13 * c + i for i in range(21)] for c in range(6)]  # 1 full block + a tail each
+    outs, computed = [], []
+    for turn in range(3):
+        for c in range(6):
+            prompt = history[c] + QUESTION[(c + turn) % 6]
+            o = llm.generate([{"prompt_token_ids": prompt}], SP, use_tqdm=False)[0]
+            outs.append(o.outputs[0].token_ids)
+            computed.append(len(prompt) - o.num_cached_tokens)
+            history[c] = prompt + list(o.outputs[0].token_ids)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.stats()["used"] == 0
+    llm.engine.shutdown()
+    return outs, computed
+
+
 def test_chat_turns_hit_their_tails_and_stay_token_identical(tiny_model_dir, tmp_path):
     """Greedy outputs of 3-turn chats with tails, with tails promoted from L2 and disk, and with prefix caching
     off, are equal; a returning turn computes only its new tokens plus the answer's last one."""
-    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    question = [[900 + 7 * c + t for t in range(6)] for c in range(6)]
-
-    def chats(num_blocks=16, **kw):
-        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=num_blocks, check_integrity=True, **kw)
-        history = [[1000 + 13 * c + i for i in range(21)] for c in range(6)]  # 1 full block + a tail each
-        outs, computed = [], []
-        for turn in range(3):
-            for c in range(6):
-                prompt = history[c] + question[(c + turn) % 6]
-                o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
-                outs.append(o.outputs[0].token_ids)
-                computed.append(len(prompt) - o.num_cached_tokens)
-                history[c] = prompt + list(o.outputs[0].token_ids)
-        llm.engine.kv.check_integrity()
-        assert llm.engine.kv.stats()["used"] == 0
-        llm.engine.shutdown()
-        return outs, computed
-
-    off, _ = chats(enable_prefix_caching=False)
-    pool, computed_pool = chats(num_blocks=64)  # every chat stays in the pool
+    off, _ = chats(tiny_model_dir, enable_prefix_caching=False)
+    pool, computed_pool = chats(tiny_model_dir, num_blocks=64)  # every chat stays in the pool
     assert pool == off
     assert computed_pool[6:] == [7] * 12  # the answer's last token (its K/V never written) + the 6 new ones
-    tiers, computed_tiers = chats(kv_offload_memory=4 << 20, kv_disk_path=str(tmp_path))
+    tiers, computed_tiers = chats(tiny_model_dir, kv_offload_memory=4 << 20, kv_disk_path=str(tmp_path))
     assert tiers == off and computed_tiers[6:] == [7] * 12  # 16 blocks hold 1-2 chats: the rest from L2
-    again, _ = chats(kv_disk_path=str(tmp_path))  # a restart: the first turns are on disk
+    again, _ = chats(tiny_model_dir, kv_disk_path=str(tmp_path))  # a restart: the first turns are on disk
     assert again == off
+
+
+@pytest.mark.parametrize("workers", [{"distributed_executor_backend": "mp"}, {"tensor_parallel_size": 2}])
+def test_tail_copies_in_worker_processes(tiny_model_dir, workers):
+    """The tail's copy runs in the workers (the ``mp`` executor; 2 TP ranks on CPU, gloo), from the pool and
+    promoted from L2: the same outputs as prefix caching off in one process."""
+    off, _ = chats(tiny_model_dir, enable_prefix_caching=False)
+    got, computed = chats(tiny_model_dir, device="cpu", kv_offload_memory=4 << 20, **workers)
+    assert got == off and computed[6:] == [7] * 12
