@@ -89,14 +89,25 @@ class DeviceConfig:
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype
+    quantization: str = "none"  # the weight format (models/quant.py); the block kernels run on the CPU only
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> DeviceConfig:
-        """ValueError naming what to use instead when the device cannot run the dtype or the KV dtype."""
+    def from_args(cls, args: EngineArgs, gguf_blocks: bool = False) -> DeviceConfig:
+        """ValueError naming what to use instead when the device cannot run the dtype or the KV dtype.
+
+        ``gguf_blocks``: the model has GGUF block matrices and their kernels build here. Then on a CPU with native
+        bf16, dtype and quantization ``auto`` resolve to the mixed ``gguf-bf16`` format (fp32 activations, decode
+        from the blocks, larger GEMMs in bf16 on the AMX/BF16 units) with a bf16 KV pool, instead of dense bf16:
+        it keeps batch-1 decode on the blocks' fewer bytes and the fused fp32 layer (``models/quant.py``)."""
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(args.kv_cache_dtype)
-        resolved = cls(device, dtype, kv_dtype)
+        kv_auto = dtype
+        quantization = args.quantization if device.type == "cpu" else "none"
+        if args.dtype == "auto" and device.type == "cpu" and quantization in ("auto", "gguf-bf16"):
+            if quantization == "gguf-bf16" or (gguf_blocks and cpu_has_native_bf16()):
+                dtype, kv_auto, quantization = torch.float32, torch.bfloat16, "gguf-bf16"
+        kv_dtype = kv_auto if args.kv_cache_dtype == "auto" else resolve_kv_cache_dtype(args.kv_cache_dtype)
+        resolved = cls(device, dtype, kv_dtype, quantization)
         if device.type == "cuda" and torch.bfloat16 in (dtype, kv_dtype) and not cuda_has_bf16(device):
             raise ValueError(f"{device} ({torch.cuda.get_device_name(device)}) has no bfloat16 arithmetic (it needs "
                              f"compute capability 8.0); use dtype float16 or float32{resolved._kv_hint()}")

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import ops
+from pagedllm.models.bf16_gemm import PackedBF16, bf16_linear
 from pagedllm.models.quant import QuantizedWeight, quantized_linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor | None = None,
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | PackedBF16, b: torch.Tensor | None = None,
            upcast: bool = False) -> torch.Tensor:
     """``F.linear`` over a flat batch ``x [T, K]``.
 
@@ -25,10 +26,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, b: torch.Tensor |
     CPUs without native bf16 that is ~4x faster than a bf16 GEMM and more accurate. fp32 activations
     on the CPU go to the C++ kernel (``ops/csrc/gemm.cpp``; ATen where it can't be built, e.g. without AVX2)
     at every batch size: it streams the weights near memory bandwidth for decode steps and beats MKL and
-    oneDNN by 10-40% on larger batches here (2-core EPYC, AVX2). GGUF block weights: see ``models/quant.py``.
+    oneDNN by 10-40% on larger batches here (2-core EPYC, AVX2). GGUF block weights: see ``models/quant.py``;
+    bf16 weights prepacked for oneDNN: ``models/bf16_gemm.py``.
     """
     if isinstance(w, QuantizedWeight):
         return quantized_linear(x, w, b)
+    if isinstance(w, PackedBF16):
+        return bf16_linear(x, w, b)
     if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()
             and w.dtype in (torch.float32, torch.bfloat16) and x.shape[1] % 8 == 0 and w.is_contiguous()):
         if ops.load("gemm"):

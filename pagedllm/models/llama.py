@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.bf16_gemm import PackedBF16, onednn_bf16_available
 from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.models.decode_layer import decode_layer, fused_layer_applies
@@ -142,9 +143,11 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
     @classmethod
-    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, quantization: str = "auto") -> "LlamaForCausalLM":
+    def from_checkpoint(cls, ckpt, dtype: torch.dtype = torch.float32, quantization: str = "auto",
+                        pack: bool = True) -> "LlamaForCausalLM":
         """Our model with a loaded ``pagedllm.models.loader.Checkpoint``'s weights; ``quantization="gguf"``
-        keeps the GGUF's Q4_1/Q8_0 matrices in their blocks (see ``models/quant.py``; "auto" does where it can)."""
+        keeps the GGUF's Q4_1/Q8_0 matrices in their blocks (see ``models/quant.py``; "auto" does where it can).
+        ``pack=False`` leaves gguf-a8 and gguf-bf16's runtime layouts to :meth:`pack_blocks` (after sharding)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
         model = cls(ckpt.config, dtype=dtype)
@@ -152,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         if quantization == "auto":
             usable = ckpt.blocks_path is not None and model.act_dtype == torch.float32 and kernel_available()
             quantization = "gguf" if usable else "none"
-        if quantization in ("gguf", "gguf-a8"):
+        if quantization in ("gguf", "gguf-a8", "gguf-bf16"):
             if ckpt.blocks_path is None:
                 raise ValueError(f"quantization={quantization!r} needs a GGUF checkpoint with Q4_1/Q8_0 matrices; "
                                  "this model has none")
@@ -163,13 +166,22 @@ class LlamaForCausalLM(nn.Module):
             if a8 and not kernel_available(int8_activations=True):
                 raise ValueError("quantization='gguf-a8' needs its C++ kernel (g++ with OpenMP, an AVX2 CPU); "
                                  "use quantization='gguf'")
-            model.use_gguf_blocks(load_blocks(ckpt.blocks_path), int8_activations=a8)
+            model.use_gguf_blocks(load_blocks(ckpt.blocks_path))
+            if pack:
+                model.pack_blocks(quantization)
         return model
 
-    def use_gguf_blocks(self, blocks: Mapping[str, QuantizedWeight], int8_activations: bool = False) -> None:
+    def pack_blocks(self, quantization: str) -> None:
+        """Give the block matrices their runtime layout for ``quantization``, once (after sharding: packed
+        layouts can no longer be sliced): gguf-a8's int8 layout, or gguf-bf16's prepacked bf16 copies."""
+        if quantization == "gguf-a8":
+            self.pack_for_int8_activations()
+        elif quantization == "gguf-bf16":
+            self.add_bf16_copies()
+
+    def use_gguf_blocks(self, blocks: Mapping[str, QuantizedWeight]) -> None:
         """Swap each matrix whose HF parts are all in ``blocks`` (one block format) for its block form,
-        freeing the dense copy. Biases and norms stay dense. ``int8_activations``: then
-        :meth:`pack_for_int8_activations` (``quantization="gguf-a8"``)."""
+        freeing the dense copy. Biases and norms stay dense."""
 
         def swap(module: nn.Module, attr: str, *names: str) -> int:
             parts = [blocks.get(n) for n in names]
@@ -196,8 +208,6 @@ class LlamaForCausalLM(nn.Module):
             n += swap(layer, "down_weight", m + "down_proj.weight")
         if n:
             self.quantization = "gguf"
-            if int8_activations:
-                self.pack_for_int8_activations()
 
     def pack_for_int8_activations(self) -> None:
         """Make every block matrix multiply int8-rounded activations (``quantization="gguf-a8"``), packed once
@@ -212,6 +222,36 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(w, QuantizedWeight):
                     setattr(layer, attr, w.pack_a8())
         self.quantization = "gguf-a8"
+
+    def add_bf16_copies(self) -> None:
+        """``quantization="gguf-bf16"``: every block matrix gets a prepacked bf16 copy for GEMMs of
+        ``BF16_MIN_ROWS`` rows or more; the LM head takes its copy at every size (embedding lookups keep the blocks)."""
+        if isinstance(self.lm_head, QuantizedWeight):
+            self.lm_head = self.lm_head.with_bf16(min_rows=1)
+        for layer in self.layers:
+            for attr in MATRICES:
+                w = getattr(layer, attr)
+                if isinstance(w, QuantizedWeight):
+                    setattr(layer, attr, w.with_bf16())
+        self.quantization = "gguf-bf16"
+
+    def prepack_bf16(self) -> bool:
+        """Dense bf16 matrices (bf16 activations, a CPU with native bf16) prepacked for oneDNN once, instead of
+        reordered by every ``F.linear`` call; False (nothing changed) where that does not apply. Call it on the CPU
+        model, after sharding: a prepacked matrix can be neither moved nor sliced."""
+        if self.act_dtype != torch.bfloat16 or not onednn_bf16_available():
+            return False
+        for layer in self.layers:
+            for attr in MATRICES:
+                w = getattr(layer, attr)
+                if isinstance(w, torch.Tensor) and w.is_cpu:
+                    delattr(layer, attr)
+                    setattr(layer, attr, PackedBF16.of(w))
+        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.is_cpu:
+            head = PackedBF16.of(self.lm_head)  # a tied embedding keeps its rows for lookups
+            delattr(self, "lm_head")
+            self.lm_head = head
+        return True
 
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight`` ...),

@@ -192,6 +192,11 @@ def resolve_model_dir(model: str | os.PathLike[str] | None = None) -> str:
     return str(dest)
 
 
+def has_gguf_blocks(model: str | os.PathLike[str] | None = None) -> bool:
+    """Whether ``model`` (see ``resolve_model_dir``) keeps GGUF block matrices for ``quantization="gguf"``."""
+    return os.path.isfile(os.path.join(resolve_model_dir(model), BLOCKS_FILE))
+
+
 def load_checkpoint(model: str | os.PathLike[str] | None = None) -> Checkpoint:
     """Load ``model`` (see ``resolve_model_dir``): configs, weights and tokenizer."""
     return _load_hf_dir(resolve_model_dir(model))

@@ -13,6 +13,14 @@ summed in another order, ~1.1-1.7x less CPU time (``PAGEDLLM_BITWISE_GEMV=1``: g
 do: activations are rounded to int8 per 32-value block and the dot products run on integer SIMD
 (``ops/csrc/quant_a8.cpp``), 4x the multiply-adds per instruction of fp32 FMAs. Outputs then differ from
 the fp32 model by the activation rounding (~0.5% per output; perplexity within ~1%).
+
+``quantization="gguf-bf16"`` (what ``auto`` picks for a GGUF model on a CPU with native bf16: AVX512-BF16 or AMX)
+chooses the format per step shape. Each matrix keeps its blocks and also a bf16 copy prepacked for oneDNN
+(``models/bf16_gemm.py``): GEMMs of fewer than ``BF16_MIN_ROWS`` rows (decode steps, the fused batch-1 layer) read
+the blocks exactly as ``"gguf"`` does, larger ones (prefill, big decode batches) run as bf16 GEMMs on the AMX/BF16
+units, ~4-10x the fp32 kernel's rate there. The LM head always takes its bf16 copy: oneDNN's prepacked bf16 GEMV
+outran the Q8_0 block GEMV 3.5x at one row on an AMX Xeon. Activations stay fp32; only the large GEMMs' inputs are
+rounded to bf16 (HF bf16 rounds every activation).
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm import ops
+from pagedllm.models.bf16_gemm import PackedBF16, bf16_linear
 from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, QUANT_NAMES
 
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
-QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8")
+QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8", "gguf-bf16")
+# gguf-bf16: GEMMs of at least this many rows take the bf16 copy (below it the block kernel streams fewer bytes and
+# ran faster on an AMX Xeon: 1-4 rows 1.5-3x, 8 rows even; from 16 rows the bf16 GEMM led 1.5-4x)
+BF16_MIN_ROWS = int(os.environ.get("PAGEDLLM_BF16_MIN_ROWS", "8"))
 # the weight matrices of a decoder layer (dense tensors or GGUF blocks)
 MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 # batch-1 GEMVs through ops/csrc/gemv.cpp (block scales factored out: 1.1-1.5x less CPU time, fp32 rounding apart
@@ -48,6 +60,7 @@ class QuantizedWeight:
     shape: tuple[int, int]
     int8_activations: bool = False  # gguf-a8: integer dot products on int8-rounded activations
     packed: bool = False  # data in pack_a8's layout (int8_activations only)
+    bf16: PackedBF16 | None = None  # gguf-bf16: the same matrix in bf16 for GEMMs of bf16.min_rows rows or more
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -70,14 +83,14 @@ class QuantizedWeight:
         if any(p.packed for p in parts):
             raise ValueError("fuse matrices before packing them")
         data = torch.cat([p.data for p in parts])
-        return replace(parts[0], data=data, shape=(data.shape[0], parts[0].shape[1]))
+        return replace(parts[0], data=data, shape=(data.shape[0], parts[0].shape[1]), bf16=None)
 
     def take_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
         """The matrix of the given output ``rows`` (int64 indices), still in blocks: a row is whole blocks,
         so this is how column-parallel layers and vocab slices shard (tensor parallelism)."""
         self._refuse_packed("take_rows")
         data = self.data.index_select(0, rows)
-        return replace(self, data=data, shape=(data.shape[0], self.shape[1]))
+        return replace(self, data=data, shape=(data.shape[0], self.shape[1]), bf16=None)
 
     def take_cols(self, start: int, end: int) -> "QuantizedWeight":
         """Input columns ``start:end`` (row-parallel layers), still in blocks: both ends must fall on a
@@ -88,7 +101,7 @@ class QuantizedWeight:
                              "32-column block boundaries")
         per_block = BLOCK_BYTES[self.qtype]
         data = self.data[:, start // 32 * per_block : end // 32 * per_block].contiguous()
-        return replace(self, data=data, shape=(self.shape[0], end - start))
+        return replace(self, data=data, shape=(self.shape[0], end - start), bf16=None)
 
     def _refuse_packed(self, op: str) -> None:
         if self.packed:
@@ -111,7 +124,14 @@ class QuantizedWeight:
         if not kernel_available(int8_activations=True):
             raise RuntimeError("gguf-a8 needs its C++ kernel (g++ with OpenMP, an AVX2 CPU)")
         packed = torch.ops.pagedllm.pack_a8.default(self.data, self.qtype)
-        return replace(self, data=packed, int8_activations=True, packed=True)
+        return replace(self, data=packed, int8_activations=True, packed=True, bf16=None)
+
+    def with_bf16(self, min_rows: int = BF16_MIN_ROWS) -> "QuantizedWeight":
+        """This matrix with a prepacked bf16 copy of its values for GEMMs of ``min_rows`` rows or more
+        (``quantization="gguf-bf16"``); the blocks stay for smaller ones and for embedding lookups."""
+        if self.int8_activations:
+            raise ValueError("gguf-bf16 keeps the exact blocks for small GEMMs; gguf-a8's packed matrices are not")
+        return replace(self, bf16=PackedBF16.of(self.dequantize(), min_rows))
 
 
 def save_blocks(blocks: dict[str, QuantizedWeight], path: str) -> None:
@@ -151,7 +171,10 @@ def require_kernel() -> None:
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None) -> torch.Tensor:
     """``x [T, K] @ w.T (+ b)`` in fp32, dequantizing the blocks inside the kernel at every batch size. gguf-a8 also
-    takes bf16 activations (rounded to int8 either way) and returns them in their dtype."""
+    takes bf16 activations (rounded to int8 either way) and returns them in their dtype. A matrix with a bf16 copy
+    (gguf-bf16) runs GEMMs of at least its ``min_rows`` rows on that copy."""
+    if w.bf16 is not None and x.shape[0] >= w.bf16.min_rows:
+        return bf16_linear(x, w.bf16, b)
     if w.int8_activations:
         xf, bf = x.float().contiguous(), None if b is None else b.float()
         if w.packed:

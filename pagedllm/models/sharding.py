@@ -126,10 +126,8 @@ def shard_model(model: LlamaForCausalLM, tp: TPGroup) -> LlamaForCausalLM:
 
 def load_shard(ckpt: Checkpoint, tp: TPGroup, dtype: torch.dtype = torch.float32,
                quantization: str = "auto") -> LlamaForCausalLM:
-    """Rank ``tp.rank``'s shard of a loaded checkpoint (``LlamaForCausalLM.from_checkpoint`` arguments);
-    gguf-a8 loads the blocks, shards them, then packs them."""
-    a8 = quantization == "gguf-a8"
-    model = shard_model(LlamaForCausalLM.from_checkpoint(ckpt, dtype, "gguf" if a8 else quantization), tp)
-    if a8:
-        model.pack_for_int8_activations()
+    """Rank ``tp.rank``'s shard of a loaded checkpoint (``LlamaForCausalLM.from_checkpoint`` arguments); gguf-a8
+    and gguf-bf16 load the blocks, shard them, then pack them."""
+    model = shard_model(LlamaForCausalLM.from_checkpoint(ckpt, dtype, quantization, pack=False), tp)
+    model.pack_blocks(quantization)
     return model

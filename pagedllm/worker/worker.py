@@ -25,7 +25,8 @@ from pagedllm.lora.slots import LoRASlots
 from pagedllm.models.forward_pass import ForwardPass, SeqChunk
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.loader import load_checkpoint
+from pagedllm.models.loader import has_gguf_blocks, load_checkpoint
+from pagedllm.models.quant import kernel_available
 from pagedllm.ops import cpu_threads
 from pagedllm.worker import cuda_graphs, device_check, memory_profile
 from pagedllm.worker.input_batch import InputBatch
@@ -50,11 +51,11 @@ class Worker:
     share of every KV block (its kv heads), the block tables being the same on every rank."""
 
     def __init__(self, args: EngineArgs, tp=None) -> None:
-        resolved = DeviceConfig.from_args(args)
+        resolved = DeviceConfig.from_args(args, gguf_blocks=has_gguf_blocks(args.model) and kernel_available())
         self.device, dtype, kv_dtype = resolved.device, resolved.dtype, resolved.kv_dtype
         backend = backend_for(self.device, args.attention_backend)
         resolved.check_backend(backend)  # before the weights load: a refused setting costs nothing
-        model, cfg, num_kv_heads, eos = self._load_model(args, tp, dtype)
+        model, cfg, num_kv_heads, eos = self._load_model(args.model, tp, dtype, resolved.quantization)
         dims = (cfg.num_layers, num_kv_heads, cfg.head_dim, args.block_size, kv_dtype)
         max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         forward_pass = device_check.CheckedForwardPass if device_check.enabled() else ForwardPass
@@ -86,12 +87,13 @@ class Worker:
                                 str(kv_dtype).split(".")[-1], backend, str(self.device),
                                 {**self.kv_cache.describe(), "page_bytes": self.kv_cache.page_bytes})
 
-    def _load_model(self, args: EngineArgs, tp, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig, int, list[int]]:
+    def _load_model(self, name: str | None, tp, dtype: torch.dtype,
+                    quantization: str) -> tuple[LlamaForCausalLM, ModelConfig, int, list[int]]:
         """The model (or this rank's shard of it) on the device, its config, its KV heads on this rank, and the
-        EOS ids of the config and the tokenizer together."""
-        ckpt = load_checkpoint(args.model)
+        EOS ids of the config and the tokenizer together. On the CPU, dense bf16 matrices are prepacked for
+        oneDNN where it runs bf16 natively."""
+        ckpt = load_checkpoint(name)
         cfg = ckpt.config
-        quantization = args.quantization if self.device.type == "cpu" else "none"  # block GEMMs are CPU kernels
         if tp is not None:
             from pagedllm.models.sharding import kv_heads_per_rank, load_shard
 
@@ -100,6 +102,8 @@ class Worker:
         else:
             model = LlamaForCausalLM.from_checkpoint(ckpt, dtype, quantization).to(self.device)
             num_kv_heads = cfg.num_kv_heads
+        if self.device.type == "cpu":
+            model.prepack_bf16()
         eos = list(cfg.eos_token_ids)
         tok_eos = ckpt.tokenizer.eos_token_id
         if tok_eos is not None and tok_eos not in eos:

@@ -1,0 +1,191 @@
+"""``quantization="gguf-bf16"``: the weight format chosen per GEMM size (decode rows from the exact GGUF blocks, larger
+GEMMs and the LM head from bf16 copies prepacked for oneDNN), what ``auto`` resolves to on a CPU with native bf16,
+and dense bf16 weights prepacked the same way. On a CPU without native bf16 (CI's may be AVX2 only) the bf16 copies
+are plain bf16 matrices run by ``F.linear``: the same arithmetic, so every assertion here holds on either."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import AttentionMetadata, get_backend
+from pagedllm.config.args import EngineArgs
+from pagedllm.config.device import DeviceConfig
+from pagedllm.kv.kv_cache import KVCache
+from pagedllm.models import llama
+from pagedllm.models.bf16_gemm import PackedBF16, bf16_linear
+from pagedllm.models.forward_pass import ForwardPass, SeqChunk
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.quant import BF16_MIN_ROWS, QuantizedWeight, kernel_available, quantized_linear
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="needs the GGUF block kernel")
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    from pagedllm.models.loader import load_checkpoint
+
+    return load_checkpoint(None)
+
+
+def test_bf16_linear_is_a_bf16_gemm_in_the_activations_dtype():
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    p = PackedBF16.of(w)
+    assert p.shape == (96, 64)
+    y = bf16_linear(x, p, b)
+    assert y.dtype == torch.float32
+    ref = F.linear(x.bfloat16(), w.bfloat16()).float() + b
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    yb = bf16_linear(x.bfloat16(), p)  # bf16 activations stay bf16
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb, F.linear(x.bfloat16(), w.bfloat16()), rtol=0, atol=0)
+
+
+def test_block_matrix_takes_its_bf16_copy_from_min_rows(ckpt):
+    from pagedllm.models.quant import load_blocks
+
+    w = load_blocks(ckpt.blocks_path)["model.layers.0.mlp.down_proj.weight"]
+    wb = w.with_bf16(min_rows=4)
+    assert wb.bf16 is not None and wb.bf16.min_rows == 4 and w.bf16 is None
+    dense = w.dequantize()
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 3):  # below min_rows: the exact block kernel, bit for bit
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        assert torch.equal(quantized_linear(x, wb, None), quantized_linear(x, w, None))
+    for rows in (4, 33):
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        ref = F.linear(x.bfloat16(), dense.bfloat16()).float()
+        torch.testing.assert_close(quantized_linear(x, wb, None), ref, rtol=0, atol=0)
+        exact = F.linear(x, dense)
+        assert ((quantized_linear(x, wb, None) - exact).norm() / exact.norm()).item() < 1e-2
+    # a slice or a fusion is another matrix: it never keeps the copy of the whole
+    assert wb.take_rows(torch.arange(8)).bf16 is None and wb.take_cols(0, 32).bf16 is None
+    assert QuantizedWeight.cat([wb, wb]).bf16 is None
+    with pytest.raises(ValueError, match="gguf-a8"):
+        w.pack_a8().with_bf16()
+
+
+def _forward(model, ids: list[list[int]], kv_dtype=torch.float32) -> torch.Tensor:
+    """Logits of every position of each prompt (packed as one prefill)."""
+    cfg = model.config
+    blocks = sum(-(-len(p) // 16) for p in ids)
+    runner = ForwardPass(model, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, 16, dtype=kv_dtype),
+                         get_backend("cpu"))
+    tables, start = [], 0
+    for p in ids:
+        n = -(-len(p) // 16)
+        tables.append(list(range(start, start + n)))
+        start += n
+    lens = [len(p) for p in ids]
+    meta = AttentionMetadata.build(lens, lens, tables, 16)
+    h = model(torch.tensor(sum(ids, [])), meta.positions, runner.kv_cache, meta, runner.backend)
+    return model.compute_logits(h)
+
+
+@pytest.mark.slow
+def test_gguf_bf16_top1_agrees_with_fp32_hf_as_well_as_hf_bf16(ckpt, wiki_texts):
+    """Prefill through the bf16 copies (fp32 activations, bf16 KV): top-1 against fp32 HF on the same weights must
+    be at least as close as HF's own bf16 forward (less is rounded: only the large GEMMs' inputs)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = ckpt.tokenizer(" ".join(wiki_texts[:40]))["input_ids"]
+    windows = [ids[:256], ids[256:512]]
+    hf = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(windows)).logits.argmax(-1).flatten()
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+        hf_agree = (hf_bf16(torch.tensor(windows)).logits.argmax(-1).flatten() == ref).float().mean().item()
+    model = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf-bf16")
+    assert model.quantization == "gguf-bf16" and model.act_dtype == torch.float32
+    assert model.layers[0].gate_up_weight.bf16.min_rows == BF16_MIN_ROWS and model.lm_head.bf16.min_rows == 1
+    assert model.embed.bf16 is None  # lookups read the blocks
+    agree = (_forward(model, windows, torch.bfloat16).argmax(-1) == ref).float().mean().item()
+    assert agree >= hf_agree, f"gguf-bf16 top-1 agrees with fp32 HF on {agree:.2%}, HF bf16 on {hf_agree:.2%}"
+    assert agree >= 0.97
+
+
+def test_gguf_bf16_decode_rows_read_the_exact_blocks(ckpt):
+    """Below BF16_MIN_ROWS the layers run exactly the ``gguf`` model's kernels (the fused batch-1 layer included);
+    only the LM head differs, by its bf16 copy."""
+    exact = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf")
+    mixed = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf-bf16")
+    cfg = exact.config
+    prompt = ckpt.tokenizer("The capital of France is")["input_ids"]
+    hidden = []
+    for model in (exact, mixed):
+        runner = ForwardPass(model, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16), get_backend("cpu"))
+        states = []
+        for pos, tok in enumerate(prompt):  # one token a step: every GEMM has one row
+            meta = AttentionMetadata.build([1], [pos + 1], [[0, 1]], 16)
+            states.append(model(torch.tensor([tok]), meta.positions, runner.kv_cache, meta, runner.backend))
+        hidden.append(torch.cat(states))
+    assert torch.equal(hidden[0], hidden[1])
+    logits = [m.compute_logits(hidden[1]) for m in (exact, mixed)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0.25)  # the head's bf16 rounding
+    assert torch.equal(logits[1], F.linear(hidden[1].bfloat16(), exact.lm_head.dequantize().bfloat16()).float())
+
+
+def test_dense_bf16_prepacked_computes_what_f_linear_does(ckpt, monkeypatch):
+    """bf16 activations on a native-bf16 CPU: the matrices prepacked once give the logits ``F.linear`` gave."""
+    monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(llama, "onednn_bf16_available", lambda: True)  # on AVX2: plain bf16 copies, same meaning
+    model = LlamaForCausalLM.from_checkpoint(ckpt, torch.bfloat16, "none")
+    assert model.act_dtype == torch.bfloat16
+    prompt = [ckpt.tokenizer("Paged attention keeps the cache in blocks")["input_ids"]]
+    before = _forward(model, prompt, torch.bfloat16)
+    assert model.prepack_bf16()
+    assert isinstance(model.layers[3].qkv_weight, PackedBF16) and isinstance(model.lm_head, PackedBF16)
+    assert isinstance(model.embed, torch.Tensor)  # the tied embedding keeps its rows for lookups
+    torch.testing.assert_close(_forward(model, prompt, torch.bfloat16), before, rtol=0, atol=0)
+
+
+def test_fp32_model_is_never_prepacked(ckpt, monkeypatch):
+    monkeypatch.setattr(llama, "onednn_bf16_available", lambda: True)
+    model = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "none")
+    assert not model.prepack_bf16() and isinstance(model.layers[0].qkv_weight, torch.Tensor)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_resolves_to_gguf_bf16_on_native_bf16_cpus(monkeypatch, native):
+    from pagedllm.config import device
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native)
+    auto = DeviceConfig.from_args(EngineArgs(), gguf_blocks=True)
+    if native:
+        assert (auto.dtype, auto.kv_dtype, auto.quantization) == (torch.float32, torch.bfloat16, "gguf-bf16")
+    else:
+        assert (auto.dtype, auto.kv_dtype, auto.quantization) == (torch.float32, torch.float32, "auto")
+    # no blocks: dense, as before; an explicit dtype or quantization is kept
+    dense = DeviceConfig.from_args(EngineArgs(), gguf_blocks=False)
+    assert dense.quantization == "auto" and dense.dtype == (torch.bfloat16 if native else torch.float32)
+    exact = DeviceConfig.from_args(EngineArgs(dtype="float32"), gguf_blocks=True)
+    assert (exact.dtype, exact.quantization) == (torch.float32, "auto")
+    kv = DeviceConfig.from_args(EngineArgs(kv_cache_dtype="int8"), gguf_blocks=True)
+    assert kv.kv_dtype == torch.int8
+    asked = DeviceConfig.from_args(EngineArgs(quantization="gguf-bf16"))
+    assert (asked.dtype, asked.kv_dtype, asked.quantization) == (torch.float32, torch.bfloat16, "gguf-bf16")
+
+
+@pytest.mark.slow
+def test_engine_auto_on_native_bf16_generates_like_gguf_bf16(monkeypatch):
+    """The whole engine with dtype and quantization auto on a (patched) native-bf16 CPU runs gguf-bf16 with a bf16
+    pool; its greedy tokens equal an explicit gguf-bf16 engine's."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.config import device
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    sp = SamplingParams(max_tokens=12, temperature=0)
+    prompts = ["The history of paged memory", "A short poem about the sea:\n" * 3]
+    outs = []
+    for kwargs in ({}, {"quantization": "gguf-bf16", "kv_cache_dtype": "bfloat16"}):
+        llm = LLM(num_blocks=64, **kwargs)
+        spec = llm.engine.core.spec
+        assert (spec.quantization, spec.dtype, spec.kv_dtype) == ("gguf-bf16", "float32", "bfloat16")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
+        del llm
+    assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0])
