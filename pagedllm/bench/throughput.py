@@ -116,7 +116,8 @@ def run(args) -> Report:
     roof = None if args.no_roofline else roofline.measure(args.quick, w=w)
 
     a8_llm = None
-    a8_possible = llm.engine.forward_pass.model.quantization == "gguf" and kernel_available(int8_activations=True)
+    a8_possible = (llm.engine.forward_pass.model.quantization in ("gguf", "gguf-bf16")
+                   and kernel_available(int8_activations=True))
     if args.a8 and not a8_possible:
         raise SystemExit("--a8 needs a GGUF model kept in its blocks with fp32 activations (--dtype float32) and the "
                          f"int8 kernel; this run has dtype {dtype} and quantization "

@@ -224,10 +224,10 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = "gguf-a8"
 
     def add_bf16_copies(self) -> None:
-        """``quantization="gguf-bf16"``: every block matrix gets a prepacked bf16 copy for GEMMs of
-        ``BF16_MIN_ROWS`` rows or more; the LM head takes its copy at every size (embedding lookups keep the blocks)."""
+        """``quantization="gguf-bf16"``: every block matrix, the LM head included, gets a prepacked bf16 copy for GEMMs
+        of ``BF16_MIN_ROWS`` rows or more (embedding lookups keep the blocks)."""
         if isinstance(self.lm_head, QuantizedWeight):
-            self.lm_head = self.lm_head.with_bf16(min_rows=1)
+            self.lm_head = self.lm_head.with_bf16()
         for layer in self.layers:
             for attr in MATRICES:
                 w = getattr(layer, attr)

@@ -102,7 +102,7 @@ def test_gguf_bf16_top1_agrees_with_fp32_hf_as_well_as_hf_bf16(ckpt, wiki_texts)
         hf_agree = (hf_bf16(torch.tensor(windows)).logits.argmax(-1).flatten() == ref).float().mean().item()
     model = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf-bf16")
     assert model.quantization == "gguf-bf16" and model.act_dtype == torch.float32
-    assert model.layers[0].gate_up_weight.bf16.min_rows == BF16_MIN_ROWS and model.lm_head.bf16.min_rows == 1
+    assert model.layers[0].gate_up_weight.bf16.min_rows == BF16_MIN_ROWS == model.lm_head.bf16.min_rows
     assert model.embed.bf16 is None  # lookups read the blocks
     agree = (_forward(model, windows, torch.bfloat16).argmax(-1) == ref).float().mean().item()
     assert agree >= hf_agree, f"gguf-bf16 top-1 agrees with fp32 HF on {agree:.2%}, HF bf16 on {hf_agree:.2%}"
@@ -110,24 +110,24 @@ def test_gguf_bf16_top1_agrees_with_fp32_hf_as_well_as_hf_bf16(ckpt, wiki_texts)
 
 
 def test_gguf_bf16_decode_rows_read_the_exact_blocks(ckpt):
-    """Below BF16_MIN_ROWS the layers run exactly the ``gguf`` model's kernels (the fused batch-1 layer included);
-    only the LM head differs, by its bf16 copy."""
+    """Below BF16_MIN_ROWS every GEMM runs exactly the ``gguf`` model's kernels (the fused batch-1 layer and the LM
+    head included): one token a step gives the same bits."""
     exact = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf")
     mixed = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf-bf16")
     cfg = exact.config
     prompt = ckpt.tokenizer("The capital of France is")["input_ids"]
-    hidden = []
+    logits = []
     for model in (exact, mixed):
         runner = ForwardPass(model, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16), get_backend("cpu"))
-        states = []
+        steps = []
         for pos, tok in enumerate(prompt):  # one token a step: every GEMM has one row
             meta = AttentionMetadata.build([1], [pos + 1], [[0, 1]], 16)
-            states.append(model(torch.tensor([tok]), meta.positions, runner.kv_cache, meta, runner.backend))
-        hidden.append(torch.cat(states))
-    assert torch.equal(hidden[0], hidden[1])
-    logits = [m.compute_logits(hidden[1]) for m in (exact, mixed)]
-    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0.25)  # the head's bf16 rounding
-    assert torch.equal(logits[1], F.linear(hidden[1].bfloat16(), exact.lm_head.dequantize().bfloat16()).float())
+            h = model(torch.tensor([tok]), meta.positions, runner.kv_cache, meta, runner.backend)
+            steps.append(model.compute_logits(h))
+        logits.append(torch.cat(steps))
+    assert torch.equal(logits[0], logits[1])
+    rows = torch.randn(BF16_MIN_ROWS, cfg.hidden_size)  # from BF16_MIN_ROWS rows the head takes its bf16 copy
+    assert torch.equal(mixed.compute_logits(rows), F.linear(rows.bfloat16(), exact.lm_head.dequantize().bfloat16()).float())
 
 
 def test_dense_bf16_prepacked_computes_what_f_linear_does(ckpt, monkeypatch):
