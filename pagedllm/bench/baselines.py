@@ -315,8 +315,18 @@ def main():
     t = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     el = time.time() - t
+    b1 = None
+    if spec.get("b1_prompt"):  # batch-1 decode: (n - 1) tokens over the time past the first one
+        one = [{"prompt_token_ids": spec["b1_prompt"]}]
+        def timed(n):
+            t = time.time()
+            llm.generate(one, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False)
+            return time.time() - t
+        n = spec["b1_tokens"]
+        first = min(timed(1) for _ in range(2))
+        b1 = (n - 1) / max(1e-9, timed(n) - first)
     import vllm
-    print("VLLM_RESULT " + json.dumps({"elapsed_s": el, "load_s": load, "version": vllm.__version__,
+    print("VLLM_RESULT " + json.dumps({"elapsed_s": el, "load_s": load, "version": vllm.__version__, "b1_tok_s": b1,
           "output_lens": [len(o.outputs[0].token_ids) for o in outs]}), flush=True)
 
 if __name__ == "__main__":
@@ -370,9 +380,11 @@ def vllm_error(rc: int, stderr: str) -> str:
 VLLM_NAME = "vLLM CPU (subprocess)"
 
 
-def vllm_cpu(reqs: list[BenchRequest], dtype: torch.dtype, timeout: int = 900) -> RunResult | Skipped:
+def vllm_cpu(reqs: list[BenchRequest], dtype: torch.dtype, timeout: int = 900,
+             b1: BenchRequest | None = None) -> RunResult | Skipped:
     """vLLM's CPU build in a subprocess (its own python, see ``vllm_python``) on the loader's HF-format copy of
     the weights, in our dtype; all requests submitted at once to ``LLM.generate`` after a one-request warm-up.
+    ``b1``: then its batch-1 decode rate on that request too (``extra["b1_tok_s"]``), in the same process.
 
     Its start (compiling the model, warming up) takes 1.5-3 minutes and is not timed (``extra["load_s"]``).
     """
@@ -386,7 +398,8 @@ def vllm_cpu(reqs: list[BenchRequest], dtype: torch.dtype, timeout: int = 900) -
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     spec = {"model": load_checkpoint(None).path, "dtype": dname,
             "max_model_len": max(r.prompt_len + r.max_tokens for r in reqs) + 16,
-            "prompts": [r.prompt_ids for r in reqs], "max_tokens": [r.max_tokens for r in reqs]}
+            "prompts": [r.prompt_ids for r in reqs], "max_tokens": [r.max_tokens for r in reqs],
+            "b1_prompt": b1 and b1.prompt_ids, "b1_tokens": b1 and b1.max_tokens}
     env = vllm_env(py, torch.get_num_threads())
     print(f"vLLM CPU: starting {py} (1.5-3 min to compile and warm up)...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as d:
@@ -405,6 +418,6 @@ def vllm_cpu(reqs: list[BenchRequest], dtype: torch.dtype, timeout: int = 900) -
     r = json.loads(line[len("VLLM_RESULT "):])
     res = RunResult(name, r["elapsed_s"], len(reqs), sum(x.prompt_len for x in reqs), sum(r["output_lens"]),
                     output_lens=r["output_lens"])
-    res.extra = {"load_s": r["load_s"], "dtype": dname, "vllm": r.get("version"),
+    res.extra = {"load_s": r["load_s"], "dtype": dname, "vllm": r.get("version"), "b1_tok_s": r.get("b1_tok_s"),
                  "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"]}
     return res

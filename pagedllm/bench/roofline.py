@@ -103,7 +103,7 @@ def workload_flops(shape: ModelShape, w: dict) -> tuple[float, float]:
 
 
 # weight format -> the GEMM family its batched steps run on
-FORMATS = {"fp32": "fp32", "bf16": "bf16", "gguf": "fp32 on {q}", "gguf-a8": "int8"}
+FORMATS = {"fp32": "fp32", "bf16": "bf16", "gguf": "fp32 on {q}", "gguf-a8": "int8", "gguf-bf16": "bf16"}
 
 
 def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: dict) -> list[dict]:
@@ -138,7 +138,7 @@ def measure(quick: bool, model: str | None = None, w: dict | None = None) -> dic
 
 def format_of(dtype: torch.dtype, quantization: str) -> str:
     """The roofline format an engine runs in (its dtype, unless it keeps GGUF blocks)."""
-    if quantization in ("gguf", "gguf-a8"):
+    if quantization in ("gguf", "gguf-a8", "gguf-bf16"):
         return quantization
     return "bf16" if dtype == torch.bfloat16 else "fp32"
 

@@ -64,13 +64,17 @@ def workload(args) -> tuple[dict, bool]:
     return base, base == W1
 
 
+def b1_request(llm, tokens: int, seed: int) -> BenchRequest:
+    """The batch-1 decode request: a 32-token prompt, ``tokens`` outputs."""
+    import random
+
+    return BenchRequest(corpus(llm.engine.tokenizer, seed).window(32, random.Random(seed + 1)), tokens)
+
+
 def decode_b1(llm, dtype: torch.dtype, tokens: int, hf: bool, seed: int, a8_llm=None) -> dict:
     """Batch-1 decode tok/s: one 32-token prompt, ``tokens`` outputs; (n-1)/(finish - first token).
     ``a8_llm``: the same engine with int8 activations (``quantization="gguf-a8"``, llama.cpp's arithmetic)."""
-    import random
-
-    tok = llm.engine.tokenizer
-    ids = corpus(tok, seed).window(32, random.Random(seed + 1))
+    ids = b1_request(llm, tokens, seed).prompt_ids
     out: dict = {"tokens": tokens}
     for name, engine in (("pagedllm", llm), (A8_NAME, a8_llm)):
         if engine is not None:
@@ -89,7 +93,8 @@ def decode_b1(llm, dtype: torch.dtype, tokens: int, hf: bool, seed: int, a8_llm=
     return out
 
 
-def _run_baseline(name: str, reqs: list[BenchRequest], dtype: torch.dtype, bs: int, llm, budget: float | None):
+def _run_baseline(name: str, reqs: list[BenchRequest], dtype: torch.dtype, bs: int, llm, budget: float | None,
+                  b1: BenchRequest):
     if name in ("hf-dynamic", "hf-static"):
         return bl.hf_padded(reqs, dtype, bs, name.removeprefix("hf-"), budget_s=budget)
     if name == "hf-cb":
@@ -98,7 +103,7 @@ def _run_baseline(name: str, reqs: list[BenchRequest], dtype: torch.dtype, bs: i
                                 max_requests=llm.engine.args.max_num_seqs, budget_s=budget and 2 * budget)
     if name == "llama-cpp":
         return bl.llama_cpp(reqs, budget_s=budget)
-    return bl.vllm_cpu(reqs, dtype)  # names were checked against ALL_BASELINES
+    return bl.vllm_cpu(reqs, dtype, b1=b1)  # names were checked against ALL_BASELINES
 
 
 def run(args) -> Report:
@@ -135,6 +140,7 @@ def run(args) -> Report:
     # vLLM, the peer to beat, runs right after our engine and ours runs again right after it: the VM's speed
     # drifts by up to 2x within minutes, so its ratio is taken against both neighbouring runs
     chosen.sort(key=lambda b: b != "vllm")
+    dec_tokens = args.decode_tokens or (16 if args.quick else 128)
     llm.reset_prefix_cache()  # a cold start for W1 (a reused engine may have seen these prompts)
     results = [run_engine(llm, reqs, desc="pagedllm")]
     if "vllm" not in chosen:
@@ -143,17 +149,19 @@ def run(args) -> Report:
         # a bench cut short (time limit, Ctrl-C, a crashing baseline) leaves what it measured on disk
         emit(_report(args, w, is_w1, bs, budget, llm, reqs, results, None, chosen[i:], roof), args.out, plot,
              str(dtype), quiet=True)
-        results.append(_run_baseline(b, reqs, dtype, bs, llm, budget))
+        results.append(_run_baseline(b, reqs, dtype, bs, llm, budget, b1_request(llm, dec_tokens, args.seed)))
         if b == "vllm":
             if not isinstance(results[-1], bl.Skipped):
                 llm.reset_prefix_cache()  # the same prompts again: computed, not found in the cache
                 results.append(run_engine(llm, reqs, system=AGAIN, desc=AGAIN))
             run_a8()
-    dec_tokens = args.decode_tokens or (16 if args.quick else 128)
     b1 = decode_b1(llm, dtype, dec_tokens, hf="hf-dynamic" in chosen, seed=args.seed, a8_llm=a8_llm)
     lcpp = next((r for r in results if not isinstance(r, bl.Skipped) and r.system == bl.LLAMA_CPP_NAME), None)
     if lcpp is not None and lcpp.tpot_s:
         b1["llama_cpp"] = len(lcpp.tpot_s) / sum(lcpp.tpot_s)  # mean decode step of its one-at-a-time requests
+    vllm = next((r for r in results if not isinstance(r, bl.Skipped) and r.system == bl.VLLM_NAME), None)
+    if vllm is not None and vllm.extra.get("b1_tok_s"):
+        b1["vllm"] = vllm.extra["b1_tok_s"]
     return _report(args, w, is_w1, bs, budget, llm, reqs, results, b1, [], roof)
 
 
@@ -241,7 +249,7 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
     tables = [Table(cols, rows, "Throughput", 2)]
     if b1:
         names = {"pagedllm": "pagedllm", A8_NAME: f"{A8_NAME} (int8 activations, like llama.cpp)",
-                 "hf_dynamic": "HF generate (DynamicCache)",
+                 "hf_dynamic": "HF generate (DynamicCache)", "vllm": f"{bl.VLLM_NAME} (the same request)",
                  "llama_cpp": "llama.cpp Q4_1 (its sequential W1 requests, prompts 32-512)"}
         b1_rows = [[label, b1[k]] for k, label in names.items() if k in b1]
         b1_cols = ["system", "decode tok/s"]

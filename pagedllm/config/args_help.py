@@ -10,7 +10,8 @@ ENGINE_FLAG_HELP = {
     "dtype": "weights and activations dtype: auto (CUDA: bf16, fp16 before Ampere; CPU: bf16 where it is native, "
              "else fp32), float32, bfloat16, float16",
     "kv_cache_dtype": "KV cache dtype (auto: same as --dtype)",
-    "quantization": "auto, none, gguf (keep a GGUF's Q4_1/Q8_0 blocks, exact) or gguf-a8 (int8 activations, faster)",
+    "quantization": "auto, none, gguf (keep a GGUF's Q4_1/Q8_0 blocks, exact), gguf-a8 (int8 activations, faster) or "
+                    "gguf-bf16 (decode from the blocks, larger GEMMs in bf16 on AMX/AVX512-BF16: auto's pick there)",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes for the KV pool, units allowed (4GiB, 512MB); default: --kv-cache-fraction of free memory",
     "kv_cache_fraction": "fraction of free memory for the KV pool when --kv-cache-memory is not given",

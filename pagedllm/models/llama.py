@@ -8,7 +8,7 @@ tables. q/k/v are one fused matmul and gate/up another.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -214,26 +214,24 @@ class LlamaForCausalLM(nn.Module):
         here into that kernel's layout, which replaces the blocks. Embedding lookups stay exact on the blocks
         (a tied LM head gets its own packed copy). A tensor-parallel shard packs after sharding: packed
         matrices can no longer be sliced."""
-        if isinstance(self.lm_head, QuantizedWeight):
-            self.lm_head = self.lm_head.pack_a8()
-        for layer in self.layers:
-            for attr in MATRICES:
-                w = getattr(layer, attr)
-                if isinstance(w, QuantizedWeight):
-                    setattr(layer, attr, w.pack_a8())
+        self._map_blocks(QuantizedWeight.pack_a8)
         self.quantization = "gguf-a8"
 
     def add_bf16_copies(self) -> None:
         """``quantization="gguf-bf16"``: every block matrix, the LM head included, gets a prepacked bf16 copy for GEMMs
         of ``BF16_MIN_ROWS`` rows or more (embedding lookups keep the blocks)."""
+        self._map_blocks(QuantizedWeight.with_bf16)
+        self.quantization = "gguf-bf16"
+
+    def _map_blocks(self, fn: Callable[[QuantizedWeight], QuantizedWeight]) -> None:
+        """Replace the LM head and each layer matrix that is in blocks by ``fn`` of it (the embedding is left as is)."""
         if isinstance(self.lm_head, QuantizedWeight):
-            self.lm_head = self.lm_head.with_bf16()
+            self.lm_head = fn(self.lm_head)
         for layer in self.layers:
             for attr in MATRICES:
                 w = getattr(layer, attr)
                 if isinstance(w, QuantizedWeight):
-                    setattr(layer, attr, w.with_bf16())
-        self.quantization = "gguf-bf16"
+                    setattr(layer, attr, fn(w))
 
     def prepack_bf16(self) -> bool:
         """Dense bf16 matrices (bf16 activations, a CPU with native bf16) prepacked for oneDNN once, instead of
