@@ -77,7 +77,16 @@ setup_llama_cpp() {
         say "llama-cpp-python $LLAMA_CPP_VERSION already installed"
     else
         say "building llama-cpp-python==$LLAMA_CPP_VERSION from source for this CPU (~12 min on 2 cores, niced)"
-        nice -n 19 python3 -m pip install "${PIP_FLAGS[@]}" "llama-cpp-python==$LLAMA_CPP_VERSION"
+        if grep -q amx_int8 /proc/cpuinfo; then
+            # its AMX matmul (ggml_backend_amx_mul_mat) segfaults on SmolLM2's Q4_1 prompts on an AMX Xeon, even with
+            # use_extra_bufts=False: build for AVX-512 with VNNI/BF16 and without AMX
+            say "AMX CPU: building llama.cpp for AVX-512 (VNNI, BF16) without its AMX kernels"
+            export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+                -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+        fi
+        # --no-cache-dir: pip's wheel cache would hand back a build made with other CMAKE_ARGS
+        nice -n 19 python3 -m pip install "${PIP_FLAGS[@]}" --no-cache-dir "llama-cpp-python==$LLAMA_CPP_VERSION"
     fi
     python3 -c "import llama_cpp; print('setup_baselines: llama-cpp-python', llama_cpp.__version__)" >&2
     say "llama.cpp: pagedllm bench throughput --baselines llama-cpp"

@@ -108,10 +108,15 @@ constexpr int64_t CHUNK = 64;
 // dot product / the softmax weight instead, so an int8 row is converted in registers, never stored as floats).
 inline float elem(const float* p, int64_t d) { return p[d]; }
 inline float elem(const int8_t* p, int64_t d) { return static_cast<float>(p[d]); }
+inline float elem(const at::BFloat16* p, int64_t d) { return static_cast<float>(p[d]); }
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const at::BFloat16* p) {  // bf16 is the high half of an fp32: widen in the register
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
 // the four horizontal sums of a0..a3, in order: 128-bit lanes folded pairwise across the four vectors (6 lane
@@ -536,6 +541,9 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
   constexpr bool kv_is_float = std::is_same_v<kvscalar_t, float>;
   constexpr bool kv_is_int8 = std::is_same_v<kvscalar_t, Int8Code>;
+  // bf16 rows are read in place and widened in registers (as int8 codes are): converting each chunk's rows into
+  // fp32 buffers first cost a store and a reload per element
+  constexpr bool kv_is_bf16 = std::is_same_v<kvscalar_t, at::BFloat16>;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t block_bytes = block_size * ks1 * static_cast<int64_t>(sizeof(kvscalar_t));  // one head's K
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), n_items));
@@ -570,13 +578,15 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> qbuf(max_rows * D), acc(max_rows * D), m(max_rows), l(max_rows), s(max_rows * CHUNK);
-    std::vector<float> kbuf(kv_is_float || kv_is_int8 ? 0 : CHUNK * D), vbuf(kbuf.size()), obuf(D);
+    std::vector<float> kbuf(kv_is_float || kv_is_int8 || kv_is_bf16 ? 0 : CHUNK * D), vbuf(kbuf.size()), obuf(D);
     std::vector<int64_t> pos(max_rows);
     const float* krow[CHUNK];
     const float* vrow[CHUNK];
     const int8_t* krow8[CHUNK];  // int8 pools: the codes in place, with their block's scale per key
     const int8_t* vrow8[CHUNK];
     float kmul[CHUNK], vmul[CHUNK];
+    const at::BFloat16* krowb[CHUNK];  // bf16 pools: the rows in place
+    const at::BFloat16* vrowb[CHUNK];
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < n_items; ++it) {
       const Item& w = items[it];
@@ -630,6 +640,9 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
             if constexpr (kv_is_float) {
               krow[o] = reinterpret_cast<const float*>(kr);
               vrow[o] = reinterpret_cast<const float*>(vr);
+            } else if constexpr (kv_is_bf16) {
+              krowb[o] = kr;
+              vrowb[o] = vr;
             } else if constexpr (kv_is_int8) {
               krow8[o] = reinterpret_cast<const int8_t*>(kr);
               vrow8[o] = reinterpret_cast<const int8_t*>(vr);
@@ -654,6 +667,8 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
         const int64_t Ra = R - r0;
         float* s0 = s.data() + r0 * CHUNK;
         if constexpr (kv_is_int8) scores_block(qbuf.data() + r0 * D, Ra, krow8, kmul, n, D, scale, s0);
+        else if constexpr (kv_is_bf16)
+          scores_block(qbuf.data() + r0 * D, Ra, krowb, static_cast<const float*>(nullptr), n, D, scale, s0);
         else scores_block(qbuf.data() + r0 * D, Ra, krow, static_cast<const float*>(nullptr), n, D, scale, s0);
         for (int64_t r = r0; r < R; ++r) {
           const int64_t nv = std::min(n, pos[r] - c0 + 1);  // causal: keys of the chunk the row sees
@@ -670,6 +685,7 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
           m[r] = mx;
         }
         if constexpr (kv_is_int8) pv_block(s0, Ra, vrow8, n, D, acc.data() + r0 * D);
+        else if constexpr (kv_is_bf16) pv_block(s0, Ra, vrowb, n, D, acc.data() + r0 * D);
         else pv_block(s0, Ra, vrow, n, D, acc.data() + r0 * D);
       }
       if (w.split >= 0) {  // a part of a split: (max, sum, unnormalised rows); the last part done combines
