@@ -41,7 +41,10 @@ def _systems(args) -> tuple[dict[str, Callable[[int], None]], list[str]]:
     from pagedllm.protocol import SamplingParams
 
     notes = []
-    engines = {q: make_llm(args.dtype, num_blocks=64, **{**args.engine_args, "quantization": q})
+    # the block paths compute in fp32; dtype auto's gguf-bf16 (CPUs with native bf16) decodes one token a step on
+    # exactly the gguf path's kernels, so its batch-1 rate is the exact rows'
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    engines = {q: make_llm(dtype, num_blocks=64, **{**args.engine_args, "quantization": q})
                for q in ("gguf", "gguf-a8")}
     for llm in engines.values():
         engine_warmup(llm)
