@@ -116,10 +116,20 @@ def test_throughput_runs_vllm_between_two_runs_of_ours(tmp_path, capsys, monkeyp
     from pagedllm.bench.common import RunResult
     from pagedllm.bench.throughput import AGAIN
 
-    monkeypatch.setattr(baselines, "vllm_cpu", lambda reqs, dtype: RunResult(baselines.VLLM_NAME, 2.0, len(reqs), 10, 8))
+    asked = []
+
+    def vllm_stand_in(reqs, dtype, b1):
+        asked.append(b1)
+        res = RunResult(baselines.VLLM_NAME, 2.0, len(reqs), 10, 8)
+        res.extra = {"b1_tok_s": 12.5}  # its batch-1 decode rate on our batch-1 request, from the same process
+        return res
+
+    monkeypatch.setattr(baselines, "vllm_cpu", vllm_stand_in)
     main(["throughput", "--quick", "--out", str(tmp_path), *TINY["throughput"], "--baselines", "hf-dynamic,vllm"])
     capsys.readouterr()
     r = json.loads((tmp_path / "throughput.json").read_text())["result"]
+    assert len(asked) == 1 and asked[0].max_tokens == r["decode_b1_tok_s"]["tokens"] and asked[0].prompt_len == 32
+    assert r["decode_b1_tok_s"]["vllm"] == 12.5
     runs = {x["system"]: x for x in r["runs"]}
     assert [x["system"] for x in r["runs"]][:3] == ["pagedllm", baselines.VLLM_NAME, AGAIN]
     mean = (runs["pagedllm"]["output_tok_s"] + runs[AGAIN]["output_tok_s"]) / 2

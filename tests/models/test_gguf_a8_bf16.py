@@ -37,17 +37,21 @@ def test_gguf_a8_runs_bf16_activations_close_to_fp32(ckpt, native_bf16):
     bf16 = LlamaForCausalLM.from_checkpoint(ckpt, torch.bfloat16, quantization="gguf-a8")
     assert bf16.act_dtype == torch.bfloat16 and not bf16.upcast_matmuls and bf16.quantization == "gguf-a8"
     assert bf16.layers[0].down_weight.packed
+    # the yardstick: what int8 activations cost the fp32 model (against the dense fp32 one); the two a8 runs differ by
+    # both models' a8 noise, up to 0.137 (relative) on an AMX Xeon, where its native bf16 ops round differently
+    dense = [LlamaForCausalLM.from_checkpoint(ckpt, dt, quantization="none") for dt in (torch.float32, torch.bfloat16)]
     cfg = ckpt.config
     runners = [ForwardPass(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 16, dtype=m.act_dtype),
-                           get_backend("cpu")) for m in (fp32, bf16)]
+                           get_backend("cpu")) for m in (fp32, bf16, *dense)]
     text = ckpt.tokenizer.encode("The quick brown fox jumps over the lazy dog because it was in a hurry to get",
                                  add_special_tokens=False)
     steps = [[SeqChunk(text[:-4], 0, list(range(8)))]]
     steps += [[SeqChunk([text[-4 + s]], len(text) - 4 + s, list(range(8)))] for s in range(4)]
     for chunks in steps:
-        a, b = (r.execute(chunks) for r in runners)
+        a, b, ref32, ref16 = (r.execute(chunks) for r in runners)
         assert b.dtype == torch.float32 and torch.isfinite(b).all()
-        assert float((a - b).norm() / a.norm()) < 0.1  # bf16 activations between the int8 GEMMs
+        cost32, cost16 = (float((ref - x).norm() / ref.norm()) for ref, x in ((ref32, a), (ref16, b)))
+        assert cost16 < 2 * cost32 + 0.02  # int8 activations cost the bf16 model about what they cost the fp32 one
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
 
 
