@@ -37,11 +37,13 @@ def test_greedy_with_drafts_equals_greedy_without(model, tiny_model_dir, smollm2
     path = tiny_model_dir if model == "tiny" else smollm2_path
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [t[:200] for t in wiki_texts[:3]]
-    plain = LLM(path, kv_cache_memory=64 << 20)
+    # fp32: the exact path, whose tokens do not depend on how many rows a step has. (dtype auto on an AMX/AVX512-BF16
+    # CPU is gguf-bf16: 3 plain decode rows read the exact blocks, 3 x 5 verify rows run as bf16 GEMMs)
+    plain = LLM(path, kv_cache_memory=64 << 20, dtype="float32")
     ref = plain.generate(prompts, sp, use_tqdm=False)
     full = [o.prompt_token_ids + o.outputs[0].token_ids for o in ref]
     proposer = OracleProposer(full)
-    spec = LLM(path, kv_cache_memory=64 << 20, check_integrity=True,
+    spec = LLM(path, kv_cache_memory=64 << 20, check_integrity=True, dtype="float32",
                speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
     spec.engine.core.speculator.proposer = proposer
     got = spec.generate(prompts, sp, use_tqdm=False)
