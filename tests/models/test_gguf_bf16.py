@@ -169,6 +169,12 @@ def test_auto_resolves_to_gguf_bf16_on_native_bf16_cpus(monkeypatch, native):
     assert kv.kv_dtype == torch.int8
     asked = DeviceConfig.from_args(EngineArgs(quantization="gguf-bf16"))
     assert (asked.dtype, asked.kv_dtype, asked.quantization) == (torch.float32, torch.bfloat16, "gguf-bf16")
+    # gguf-a8 under dtype auto: fp32 activations (the fused batch-1 layer), a bf16 pool where bf16 is native
+    a8 = DeviceConfig.from_args(EngineArgs(quantization="gguf-a8"), gguf_blocks=True)
+    assert (a8.dtype, a8.kv_dtype, a8.quantization) == (torch.float32, torch.bfloat16 if native else torch.float32,
+                                                        "gguf-a8")
+    a8_bf16 = DeviceConfig.from_args(EngineArgs(quantization="gguf-a8", dtype="bfloat16"), gguf_blocks=True)
+    assert a8_bf16.dtype == torch.bfloat16  # asked for: still allowed
 
 
 @pytest.mark.slow
