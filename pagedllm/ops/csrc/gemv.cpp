@@ -26,77 +26,15 @@ using namespace pagedllm_ops;  // hsum8, the GGUF blocks and their checks
 // on short rows), else 1: one sequential stream per thread, which measured faster on long rows (SmolLM2's down
 // projection, K = 1536: 1.4x) and on the Q8_0 LM head (1.5x; 4 or 8 rows were slower than gemm.cpp's buffer).
 constexpr int64_t NR = 4, LONG_ROW = 1024;
-#ifndef PF_BYTES
-#define PF_BYTES 8192
-#endif
-// How far ahead of the tile being read its thread prefetches W: one core's hardware prefetcher keeps too few lines
-// in flight for these short row streams (an AMX Xeon core read Q4_1 blocks at 3.6 GB/s without, 5.9 GB/s with).
-constexpr int64_t kPrefetchBytes = PF_BYTES;
+// How far ahead of the tile it reads each thread prefetches W: one core's hardware prefetcher keeps too few lines in
+// flight for these short row streams. The 30 layers' GEMVs of the embedded model, the blocks in L3 (an AMX Xeon, 2
+// threads): 10.2 ms without, 5.8 ms with; out of cache, where DRAM bounds them, no change.
+constexpr int64_t kPrefetchBytes = 8192;
 
 // 8 int8 codes at p -> fp32 (Q8_0); 8 bytes of nibbles -> their low / high nibbles as fp32 (Q4_1)
 [[gnu::always_inline]] inline __m256 codes_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-
-#ifdef __AVX512F__
-// AVX-512 (Zen 4/5, Xeons): a block's 32 weights in two 16-lane registers, half the instructions of the 8-lane tiles
-// below, which are compute-bound at one row (an AMX Xeon core streamed 3.5 GB/s of Q4_1 blocks with them, 7 GB/s of
-// bf16 through oneDNN). Lanes: xs[16 b + l] = x[32b + l] + x[32b + 16 + l].
-constexpr int64_t kLanes = 16;
-
-template <int R>
-[[gnu::noinline]] void tile_q4_1(const float* x, const float* xs, int64_t kb, const BlockQ4_1* w, float* y,
-                                 const float* bias) {
-  __m512 acc[R], macc[R];
-#pragma GCC unroll 8
-  for (int j = 0; j < R; ++j) acc[j] = macc[j] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi32(0x0F);
-  for (int64_t b = 0; b < kb; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-    const __m512 sx = _mm512_loadu_ps(xs + 16 * b);
-#pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) {
-      const BlockQ4_1& blk = w[j * kb + b];
-      // byte i of the 16 holds weight i (low nibble) and weight 16 + i (high nibble)
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)));
-      __m512 t = _mm512_mul_ps(x0, _mm512_cvtepi32_ps(_mm512_and_si512(q, mask)));
-      t = _mm512_fmadd_ps(x1, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), t);
-      acc[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(_cvtsh_ss(blk.d)), acc[j]);
-      macc[j] = _mm512_fmadd_ps(sx, _mm512_set1_ps(_cvtsh_ss(blk.m)), macc[j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < R; ++j) y[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], macc[j])) + (bias ? bias[j] : 0.f);
-}
-
-template <int R>
-[[gnu::noinline]] void tile_q8_0(const float* x, const float*, int64_t kb, const BlockQ8_0* w, float* y,
-                                 const float* bias) {
-  __m512 acc[R];
-#pragma GCC unroll 8
-  for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < kb; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-#pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) {
-      const BlockQ8_0& blk = w[j * kb + b];
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs))));
-      const __m512 q1 =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs + 16))));
-      acc[j] = _mm512_fmadd_ps(_mm512_fmadd_ps(x1, q1, _mm512_mul_ps(x0, q0)), _mm512_set1_ps(_cvtsh_ss(blk.d)), acc[j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < R; ++j) y[j] = _mm512_reduce_add_ps(acc[j]) + (bias ? bias[j] : 0.f);
-}
-
-// xs[16 b + l] for tile_q4_1
-inline void block_lane_sums(const float* x, int64_t kb, float* xs) {
-  for (int64_t b = 0; b < kb; ++b)
-    _mm512_storeu_ps(xs + 16 * b, _mm512_add_ps(_mm512_loadu_ps(x + 32 * b), _mm512_loadu_ps(x + 32 * b + 16)));
-}
-#else
-constexpr int64_t kLanes = 8;
 
 // Q4_1 tile: NR rows of blocks against x; xs[8 b + l] = lane l of block b's sum (x[32b + l] + ... + x[32b + 24 + l])
 template <int R>
@@ -149,17 +87,6 @@ template <int R>
   for (int j = 0; j < R; ++j) y[j] = hsum8(acc[j]) + (bias ? bias[j] : 0.f);
 }
 
-// xs[8 b + l] for tile_q4_1
-inline void block_lane_sums(const float* x, int64_t kb, float* xs) {
-  for (int64_t b = 0; b < kb; ++b) {
-    const float* xb = x + 32 * b;
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                   _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
-    _mm256_storeu_ps(xs + 8 * b, s);
-  }
-}
-#endif
-
 template <typename B>
 [[gnu::always_inline]] inline void tile(const float* x, const float* xs, int64_t kb, const B* w, int64_t nr, float* y,
                                         const float* bias) {
@@ -175,15 +102,19 @@ template <typename B>
 template <typename B>
 int64_t tile_rows(int64_t K) { return std::is_same_v<B, BlockQ4_1> && K < LONG_ROW ? NR : 1; }
 
-// xs for tile_q4_1 (each block's slices of x summed lane by lane), in a buffer each calling thread keeps; empty for
-// Q8_0.
+// xs for tile_q4_1 (sum of each block's 4 slices of x), in a buffer each calling thread keeps; empty for Q8_0.
 template <typename B>
 const float* block_sums(const float* x, int64_t K) {
   thread_local std::vector<float> xs;
   if constexpr (!std::is_same_v<B, BlockQ4_1>) return nullptr;
   const int64_t kb = K / 32;
-  if (static_cast<int64_t>(xs.size()) < kLanes * kb) xs.resize(kLanes * kb);
-  block_lane_sums(x, kb, xs.data());
+  if (static_cast<int64_t>(xs.size()) < 8 * kb) xs.resize(8 * kb);
+  for (int64_t b = 0; b < kb; ++b) {
+    const float* xb = x + 32 * b;
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                   _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+    _mm256_storeu_ps(xs.data() + 8 * b, s);
+  }
   return xs.data();
 }
 
