@@ -33,12 +33,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def child() -> None:
     """In a fresh process (its env holds the spin count): batch-1 decode tok/s as JSON on stdout."""
     from pagedllm.bench.common import engine_warmup, make_llm
-    from pagedllm.bench.throughput import decode_b1
+    from pagedllm.bench.throughput import b1_request, decode_b1
 
     spec = json.loads(sys.argv[1])
     llm = make_llm(spec["dtype"], **spec["engine"])
     engine_warmup(llm)
-    b1 = decode_b1(llm, llm.engine.forward_pass.model.act_dtype, spec["tokens"], hf=False, seed=0)
+    b1 = decode_b1(llm, llm.engine.forward_pass.model.act_dtype, b1_request(llm, spec["tokens"], 0), hf=False)
     g = llm.engine.forward_pass.threads
     print(json.dumps({"tok_s": b1["pagedllm"], "threads_at_end": g.threads if g else None,
                       "spin": os.environ.get("GOMP_SPINCOUNT")}))

@@ -71,10 +71,10 @@ def b1_request(llm, tokens: int, seed: int) -> BenchRequest:
     return BenchRequest(corpus(llm.engine.tokenizer, seed).window(32, random.Random(seed + 1)), tokens)
 
 
-def decode_b1(llm, dtype: torch.dtype, tokens: int, hf: bool, seed: int, a8_llm=None) -> dict:
-    """Batch-1 decode tok/s: one 32-token prompt, ``tokens`` outputs; (n-1)/(finish - first token).
+def decode_b1(llm, dtype: torch.dtype, req: BenchRequest, hf: bool, a8_llm=None) -> dict:
+    """Batch-1 decode tok/s of ``req`` (see :func:`b1_request`): (n-1)/(finish - first token).
     ``a8_llm``: the same engine with int8 activations (``quantization="gguf-a8"``, llama.cpp's arithmetic)."""
-    ids = b1_request(llm, tokens, seed).prompt_ids
+    ids, tokens = req.prompt_ids, req.max_tokens
     out: dict = {"tokens": tokens}
     for name, engine in (("pagedllm", llm), (A8_NAME, a8_llm)):
         if engine is not None:
@@ -140,7 +140,7 @@ def run(args) -> Report:
     # vLLM, the peer to beat, runs right after our engine and ours runs again right after it: the VM's speed
     # drifts by up to 2x within minutes, so its ratio is taken against both neighbouring runs
     chosen.sort(key=lambda b: b != "vllm")
-    dec_tokens = args.decode_tokens or (16 if args.quick else 128)
+    b1_req = b1_request(llm, args.decode_tokens or (16 if args.quick else 128), args.seed)
     llm.reset_prefix_cache()  # a cold start for W1 (a reused engine may have seen these prompts)
     results = [run_engine(llm, reqs, desc="pagedllm")]
     if "vllm" not in chosen:
@@ -149,13 +149,13 @@ def run(args) -> Report:
         # a bench cut short (time limit, Ctrl-C, a crashing baseline) leaves what it measured on disk
         emit(_report(args, w, is_w1, bs, budget, llm, reqs, results, None, chosen[i:], roof), args.out, plot,
              str(dtype), quiet=True)
-        results.append(_run_baseline(b, reqs, dtype, bs, llm, budget, b1_request(llm, dec_tokens, args.seed)))
+        results.append(_run_baseline(b, reqs, dtype, bs, llm, budget, b1_req))
         if b == "vllm":
             if not isinstance(results[-1], bl.Skipped):
                 llm.reset_prefix_cache()  # the same prompts again: computed, not found in the cache
                 results.append(run_engine(llm, reqs, system=AGAIN, desc=AGAIN))
             run_a8()
-    b1 = decode_b1(llm, dtype, dec_tokens, hf="hf-dynamic" in chosen, seed=args.seed, a8_llm=a8_llm)
+    b1 = decode_b1(llm, dtype, b1_req, hf="hf-dynamic" in chosen, a8_llm=a8_llm)
     lcpp = next((r for r in results if not isinstance(r, bl.Skipped) and r.system == bl.LLAMA_CPP_NAME), None)
     if lcpp is not None and lcpp.tpot_s:
         b1["llama_cpp"] = len(lcpp.tpot_s) / sum(lcpp.tpot_s)  # mean decode step of its one-at-a-time requests

@@ -4,6 +4,7 @@ settings in one place (the worker, the KV cache and the benches all ask here).""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,10 +93,11 @@ class DeviceConfig:
     quantization: str = "none"  # the weight format (models/quant.py); the block kernels run on the CPU only
 
     @classmethod
-    def from_args(cls, args: EngineArgs, gguf_blocks: bool = False) -> DeviceConfig:
+    def from_args(cls, args: EngineArgs, gguf_blocks: Callable[[], bool] = lambda: False) -> DeviceConfig:
         """ValueError naming what to use instead when the device cannot run the dtype or the KV dtype.
 
-        ``gguf_blocks``: the model has GGUF block matrices and their kernels build here. Then on a CPU with native
+        ``gguf_blocks``: whether the model has GGUF block matrices and their kernels build here (asked only where
+        the answer matters: it may build a kernel). Then on a CPU with native
         bf16, dtype and quantization ``auto`` resolve to the mixed ``gguf-bf16`` format (fp32 activations, decode
         from the blocks, larger GEMMs in bf16 on the AMX/BF16 units) with a bf16 KV pool, instead of dense bf16:
         it keeps batch-1 decode on the blocks' fewer bytes and the fused fp32 layer (``models/quant.py``). gguf-a8
@@ -107,7 +109,7 @@ class DeviceConfig:
         quantization = args.quantization if device.type == "cpu" else "none"
         if args.dtype == "auto" and device.type == "cpu":
             native = cpu_has_native_bf16()
-            if quantization == "gguf-bf16" or (quantization == "auto" and gguf_blocks and native):
+            if quantization == "gguf-bf16" or (quantization == "auto" and native and gguf_blocks()):
                 dtype, kv_auto, quantization = torch.float32, torch.bfloat16, "gguf-bf16"
             elif quantization == "gguf-a8" and native:
                 dtype, kv_auto = torch.float32, torch.bfloat16

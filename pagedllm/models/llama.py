@@ -214,24 +214,14 @@ class LlamaForCausalLM(nn.Module):
         here into that kernel's layout, which replaces the blocks. Embedding lookups stay exact on the blocks
         (a tied LM head gets its own packed copy). A tensor-parallel shard packs after sharding: packed
         matrices can no longer be sliced."""
-        self._map_blocks(QuantizedWeight.pack_a8)
+        self._map_matrices(QuantizedWeight, QuantizedWeight.pack_a8)
         self.quantization = "gguf-a8"
 
     def add_bf16_copies(self) -> None:
         """``quantization="gguf-bf16"``: every block matrix, the LM head included, gets a prepacked bf16 copy for GEMMs
         of ``BF16_MIN_ROWS`` rows or more (embedding lookups keep the blocks)."""
-        self._map_blocks(QuantizedWeight.with_bf16)
+        self._map_matrices(QuantizedWeight, QuantizedWeight.with_bf16)
         self.quantization = "gguf-bf16"
-
-    def _map_blocks(self, fn: Callable[[QuantizedWeight], QuantizedWeight]) -> None:
-        """Replace the LM head and each layer matrix that is in blocks by ``fn`` of it (the embedding is left as is)."""
-        if isinstance(self.lm_head, QuantizedWeight):
-            self.lm_head = fn(self.lm_head)
-        for layer in self.layers:
-            for attr in MATRICES:
-                w = getattr(layer, attr)
-                if isinstance(w, QuantizedWeight):
-                    setattr(layer, attr, fn(w))
 
     def prepack_bf16(self) -> bool:
         """Dense bf16 matrices (bf16 activations, a CPU with native bf16) prepacked for oneDNN once, instead of
@@ -239,17 +229,17 @@ class LlamaForCausalLM(nn.Module):
         model, after sharding: a prepacked matrix can be neither moved nor sliced."""
         if self.act_dtype != torch.bfloat16 or not onednn_bf16_available():
             return False
-        for layer in self.layers:
-            for attr in MATRICES:
-                w = getattr(layer, attr)
-                if isinstance(w, torch.Tensor) and w.is_cpu:
-                    delattr(layer, attr)
-                    setattr(layer, attr, PackedBF16.of(w))
-        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.is_cpu:
-            head = PackedBF16.of(self.lm_head)  # a tied embedding keeps its rows for lookups
-            delattr(self, "lm_head")
-            self.lm_head = head
+        self._map_matrices(torch.Tensor, PackedBF16.of)
         return True
+
+    def _map_matrices(self, kind: type, fn: Callable) -> None:
+        """Replace the LM head and each layer matrix that is a ``kind`` by ``fn`` of it. The embedding, tied or not,
+        keeps its rows for lookups."""
+        for module, attr in [(self, "lm_head"), *((layer, a) for layer in self.layers for a in MATRICES)]:
+            w = getattr(module, attr)
+            if isinstance(w, kind):
+                delattr(module, attr)  # a registered parameter can only be replaced by another one
+                setattr(module, attr, fn(w))
 
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight`` ...),

@@ -51,7 +51,8 @@ class Worker:
     share of every KV block (its kv heads), the block tables being the same on every rank."""
 
     def __init__(self, args: EngineArgs, tp=None) -> None:
-        resolved = DeviceConfig.from_args(args, gguf_blocks=has_gguf_blocks(args.model) and kernel_available())
+        resolved = DeviceConfig.from_args(args,
+                                          gguf_blocks=lambda: has_gguf_blocks(args.model) and kernel_available())
         self.device, dtype, kv_dtype = resolved.device, resolved.dtype, resolved.kv_dtype
         backend = backend_for(self.device, args.attention_backend)
         resolved.check_backend(backend)  # before the weights load: a refused setting costs nothing

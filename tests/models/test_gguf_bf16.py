@@ -155,25 +155,25 @@ def test_auto_resolves_to_gguf_bf16_on_native_bf16_cpus(monkeypatch, native):
     from pagedllm.config import device
 
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native)
-    auto = DeviceConfig.from_args(EngineArgs(), gguf_blocks=True)
+    auto = DeviceConfig.from_args(EngineArgs(), gguf_blocks=lambda: True)
     if native:
         assert (auto.dtype, auto.kv_dtype, auto.quantization) == (torch.float32, torch.bfloat16, "gguf-bf16")
     else:
         assert (auto.dtype, auto.kv_dtype, auto.quantization) == (torch.float32, torch.float32, "auto")
     # no blocks: dense, as before; an explicit dtype or quantization is kept
-    dense = DeviceConfig.from_args(EngineArgs(), gguf_blocks=False)
+    dense = DeviceConfig.from_args(EngineArgs(), gguf_blocks=lambda: False)
     assert dense.quantization == "auto" and dense.dtype == (torch.bfloat16 if native else torch.float32)
-    exact = DeviceConfig.from_args(EngineArgs(dtype="float32"), gguf_blocks=True)
+    exact = DeviceConfig.from_args(EngineArgs(dtype="float32"), gguf_blocks=lambda: True)
     assert (exact.dtype, exact.quantization) == (torch.float32, "auto")
-    kv = DeviceConfig.from_args(EngineArgs(kv_cache_dtype="int8"), gguf_blocks=True)
+    kv = DeviceConfig.from_args(EngineArgs(kv_cache_dtype="int8"), gguf_blocks=lambda: True)
     assert kv.kv_dtype == torch.int8
     asked = DeviceConfig.from_args(EngineArgs(quantization="gguf-bf16"))
     assert (asked.dtype, asked.kv_dtype, asked.quantization) == (torch.float32, torch.bfloat16, "gguf-bf16")
     # gguf-a8 under dtype auto: fp32 activations (the fused batch-1 layer), a bf16 pool where bf16 is native
-    a8 = DeviceConfig.from_args(EngineArgs(quantization="gguf-a8"), gguf_blocks=True)
+    a8 = DeviceConfig.from_args(EngineArgs(quantization="gguf-a8"), gguf_blocks=lambda: True)
     assert (a8.dtype, a8.kv_dtype, a8.quantization) == (torch.float32, torch.bfloat16 if native else torch.float32,
                                                         "gguf-a8")
-    a8_bf16 = DeviceConfig.from_args(EngineArgs(quantization="gguf-a8", dtype="bfloat16"), gguf_blocks=True)
+    a8_bf16 = DeviceConfig.from_args(EngineArgs(quantization="gguf-a8", dtype="bfloat16"), gguf_blocks=lambda: True)
     assert a8_bf16.dtype == torch.bfloat16  # asked for: still allowed
 
 
