@@ -35,7 +35,7 @@ else
   DEVICE=cuda SHAPES=llama-1b,qwen2-bias,smollm2-shape PORT=8971
   # measured on an H200 (2026-11-26): set-up 10 s, models 19, tests ~200 (258 of them took 115), oracle 112 for 63
   # rows (45 now: float32 and bfloat16 pools are the auto rows of those dtypes), 1 B oracle 25, server 42
-  T_SETUP=30 T_MODELS=40 T_TESTS=240 T_ORACLE=100 T_ORACLE_BIG=45 T_SERVER=50 T_BENCH=30
+  T_SETUP=30 T_MODELS=40 T_TESTS=240 T_ORACLE=140 T_ORACLE_BIG=45 T_SERVER=50 T_BENCH=30
   # deselected: bench lora's smoke test runs the embedded GGUF itself, which cannot travel (a call carries 64 MiB);
   # int8-vs-fp32 greedy agreement needs the real weights' peaked logits (random weights tie: the oracle part
   # checks int8 against HF with its near-tie rule instead)

@@ -22,17 +22,18 @@ pool tensor moved) drops them and captures again (:meth:`DecodeGraphs.invalidate
 place of others).
 
 The capture itself is a :class:`GraphCapture`: :class:`CudaGraphCapture` (``torch.cuda.CUDAGraph``, every graph
-in one memory pool, largest bucket first) on CUDA. NOT RUN ON A GPU: no GPU was available while this was
-written, so real CUDA capture and replay are untested; the runner's logic (buckets, padding, buffer updates,
-replay, output slicing, eager fallback, invalidation) is tested on the CPU with a capture that replays by
-re-running the captured step on the same buffers (tests/worker/test_cuda_graphs.py).
+in one memory pool, largest bucket first) on CUDA; ``scripts/gpu_check.sh`` runs it on a GPU. The runner's logic
+(buckets, padding, buffer updates, replay, output slicing, eager fallback, invalidation) is also tested on the CPU
+with a capture that replays by re-running the captured step on the same buffers (tests/worker/test_cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -69,15 +70,31 @@ class CudaGraphCapture:
         self.pool = None
 
     def capture(self, step: Callable[[], None]) -> Callable[[], None]:
+        """Other threads keep running during a capture (the KV tiers' copy threads, an earlier engine's): their
+        CUDA calls are not this capture's business (``thread_local``; the default ``global`` mode let any thread's
+        synchronize or free invalidate it), and Python's cyclic GC is off, so that no thread's collection frees an
+        older engine's CUDA memory or graphs in the middle of it (torch.cuda.graph collects just before)."""
         step()  # warm-up: Triton compiles its kernels and lazy allocations happen outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with gc_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
         if self.pool is None:
             self.pool = graph.pool()
         torch.cuda.synchronize()
         return graph.replay
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Automatic garbage collection off (for every thread) inside the block; an explicit ``gc.collect()`` still runs."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def graph_capture(device: torch.device) -> GraphCapture | None:
