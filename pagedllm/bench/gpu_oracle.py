@@ -79,9 +79,10 @@ def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, bac
     llm = LLM(model_dir, device=device, attention_backend=backend, dtype=dtype, kv_cache_dtype=kv,
               max_num_seqs=len(prompts), max_num_batched_tokens=2048, kv_cache_memory=1 << 30)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-    del llm
-    return outs
+    try:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()  # its threads and CUDA memory go now, not at interpreter exit
 
 
 def first_divergences(ref: list[list[int]], got: list[list[int]]) -> list[int]:
