@@ -41,6 +41,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "conversation)")
     p.add_argument("--think-time", type=float, default=None, help="chat users' mean think time in s, "
                    "exponential (default 5.0; quick 0.05)")
+    for flag, what in (("system", "shared system prompt"), ("context", "conversation's own opening"),
+                       ("question", "question of each turn"), ("answer", "answer of each turn (joins the history)")):
+        p.add_argument(f"--{flag}-tokens", type=int, default=None,
+                       help=f"chat: tokens of the {what} (default: the --arrivals preset, see tiers_common.Sizes)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="chat: sequences a step at most (default 32; "
                    "quick 2); the pool is a quarter of the live working set but at least this many longest prompts")
 

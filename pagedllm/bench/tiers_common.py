@@ -34,6 +34,8 @@ class Sizes:
     waves'), a 32-token opening, 8-token questions, 8-token answers (twice the waves'), and a mean think time
     of 5 s (7 x an 8-token answer's ~0.7 s). 200 x 5 turns then compute ~60 prompt tokens a returning turn
     with tiers off and ~24 with them; the four configurations took 22 min at load 8 (bench/README.md).
+    ``--system-tokens``, ``--context-tokens``, ``--question-tokens`` and ``--answer-tokens`` set the turn sizes
+    (the anchors' own sizes on a faster CPU).
     """
 
     def __init__(self, args) -> None:
@@ -48,10 +50,10 @@ class Sizes:
         self.users = min(getattr(args, "users", None) or self.conversations, self.conversations)
         self.think_time = getattr(args, "think_time", None) or (0.05 if q else 5.0)  # mean, seconds
         self.systems = 2 if q else 4
-        self.system_tokens = 64 if users and not q else 32
-        self.context_tokens = 16 if q else 32  # the conversation's own opening
-        self.user_tokens = 8
-        self.out_tokens = 6 if q and users else (8 if users else 4)
+        self.system_tokens = _given(args, "system_tokens") or (64 if users and not q else 32)
+        self.context_tokens = _given(args, "context_tokens") or (16 if q else 32)  # the conversation's own opening
+        self.user_tokens = _given(args, "question_tokens") or 8
+        self.out_tokens = _given(args, "answer_tokens") or (6 if q and users else (8 if users else 4))
         self.documents = args.documents or (16 if q else 64)
         self.doc_tokens = 64 if q else 128
         self.rag_requests = args.rag_requests or (24 if q else 200)
@@ -71,6 +73,14 @@ class Sizes:
         rag_prompt = _blocks(self.doc_tokens + self.question_tokens + self.rag_out, bs)
         self.rag_l1 = self.rag_max_num_seqs * (rag_prompt + 1)
         self.rag_l2 = max(self.documents * doc_blocks // 8, doc_blocks)  # an eighth of the documents
+
+
+def _given(args, name: str) -> int | None:
+    """A chat size set on the command line (``--system-tokens`` ...), refused if not positive; None if not set."""
+    v = getattr(args, name, None)
+    if v is not None and v < 1:
+        raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    return v
 
 
 def merge(runs: list[RunResult]) -> RunResult:

@@ -77,3 +77,21 @@ def test_users_send_each_turn_a_think_time_after_its_answer(tiny_model_dir):
     # two users: never more than two conversations under way at once
     for r in recs:
         assert sum(o["arrival_s"] <= r["arrival_s"] < o["finished_s"] for o in recs) <= 2
+
+
+def test_turn_sizes_from_the_command_line():
+    from pagedllm.bench.tiers_chat import chat_trace
+    from pagedllm.bench.tiers_common import Sizes
+
+    args = argparse.Namespace(quick=False, arrivals="users", conversations=8, turns=3, users=None, think_time=None,
+                              documents=None, rag_requests=None, system_tokens=100, context_tokens=200,
+                              question_tokens=12, answer_tokens=20)
+    s = Sizes(args)
+    assert (s.system_tokens, s.context_tokens, s.user_tokens, s.out_tokens) == (100, 200, 12, 20)
+    hist, questions = chat_trace(s, 0)
+    assert [len(h) for h in hist] == [300] * 8 and {len(q) for qs in questions for q in qs} == {12}
+    last_turn = 100 + 200 + 3 * 12 + 2 * 20  # the history the working set and the pool are sized by
+    assert s.chat_working_set == 8 * -(-last_turn // 16)
+    args.answer_tokens = 0
+    with pytest.raises(SystemExit, match="--answer-tokens"):
+        Sizes(args)
