@@ -35,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity (default 1.0)")
     p.add_argument("--rounds", type=int, default=None, help="base/LoRA rounds (default 2; --quick 1)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF + PEFT baseline")
+    p.add_argument("--hf-dtype", default="auto", help="HF + PEFT's dtype: auto (bf16 on a CPU that computes it "
+                   "natively, as an HF user there would run it; else float32), float32, bfloat16")
 
 
 def make_adapters(model_dir: str, n: int, rank: int, root: str, seed: int) -> list[str]:
@@ -72,12 +74,12 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def hf_peft_model(model_dir: str, paths: list[str], picks: list[int]):
+def hf_peft_model(model_dir: str, paths: list[str], picks: list[int], dtype: torch.dtype = torch.float32):
     """HF + PEFT with every adapter the workload picks loaded once (as a one-adapter-at-a-time server would)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     model = PeftModel.from_pretrained(hf, paths[0], adapter_name="a0")
     for i in sorted(set(picks) - {0}):
         model.load_adapter(paths[i], adapter_name=f"a{i}")
@@ -110,6 +112,7 @@ def kv_blocks(llm) -> tuple[int, int]:
 
 def run(args) -> Report:
     from pagedllm.bench.common import make_llm
+    from pagedllm.config.device import resolve_dtype
     from pagedllm.models.loader import resolve_model_dir
     from pagedllm.protocol import SamplingParams
     from pagedllm.protocol.lora_request import LoRARequest
@@ -118,6 +121,7 @@ def run(args) -> Report:
     num = args.requests or (6 if args.quick else 32)
     rounds = args.rounds or (1 if args.quick else 2)
     model_dir = resolve_model_dir(None)
+    hf_dtype = resolve_dtype(args.hf_dtype)  # HF runs on the CPU here
     engine = {"kv_cache_memory": 512 << 20, **args.engine_args}  # two engines and HF share the machine's memory
     base = make_llm(args.dtype, seed=args.seed, **engine)
     reqs = random_requests(base.engine.tokenizer, num, (8, 48) if args.quick else (32, 256),
@@ -137,7 +141,7 @@ def run(args) -> Report:
             first = list({lr.lora_int_id: lr for lr in loras}.values())  # warm up: every adapter read once
             llm.generate([prompts[0]] * len(first), params[0], use_tqdm=False, lora_request=first)
             base.generate(prompts[:2], params[:2], use_tqdm=False)
-            hf = None if args.no_hf else hf_peft_model(model_dir, paths, picks)
+            hf = None if args.no_hf else hf_peft_model(model_dir, paths, picks, hf_dtype)
             sides = ("base", "lora") + (() if hf is None else ("hf",))
             run_side = {
                 "base": lambda: base.generate(prompts, params, use_tqdm=False),
@@ -170,13 +174,13 @@ def run(args) -> Report:
         f"every target, Zipf popularity (s={args.zipf}); {min(args.max_loras, max(counts))} device slots at most",
         "tok/s = output tokens / wall time, every adapter read once before (warm-up); base, LoRA and HF + PEFT run "
         f"once a round in rotating order over {rounds} round(s); HF + PEFT: one left-padded generate per adapter, "
-        "adapters preloaded",
+        f"adapters preloaded, in {str(hf_dtype).removeprefix('torch.')} (--hf-dtype {args.hf_dtype})",
         "KV blocks: the pool's blocks left for the KV cache at the end (LoRA: the compute slots and the resident "
         "adapters' pages come out of the same kv_cache_memory, so a small budget caps its batch below the base's)",
         f"1-minute load average at the start and after each adapter count: {', '.join(f'{x:.2f}' for x in loads)}"])
     rep.tables.append(Table(["adapters", "used", "base tok/s", "LoRA tok/s", "LoRA / base", "HF+PEFT tok/s",
                              "LoRA / HF+PEFT", "base KV blocks", "LoRA KV blocks"], rows, digits=2))
-    rep.result = {"requests": num, "rank": args.rank, "zipf": args.zipf, "rounds": rounds, "loadavg": loads,
+    rep.result = {"requests": num, "hf_dtype": str(hf_dtype).removeprefix("torch."), "rank": args.rank, "zipf": args.zipf, "rounds": rounds, "loadavg": loads,
                   "runs": raw}
     return rep
 
