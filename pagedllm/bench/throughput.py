@@ -25,6 +25,7 @@ from pagedllm.models.quant import kernel_available
 ALL_BASELINES = ("hf-dynamic", "hf-static", "hf-cb", "llama-cpp", "vllm")
 AGAIN = "pagedllm, again after vLLM"
 A8_NAME = "pagedllm gguf-a8"  # int8 activations: llama.cpp's arithmetic, not bit-exact
+EXACT_NAME = "pagedllm exact fp32"  # dtype float32 beside what auto picked: the path token-identical to HF fp32
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a8", action="store_true",
                    help="also run the workload on our engine with quantization=gguf-a8 (int8 activations, llama.cpp's "
                         "arithmetic: faster, not bit-exact), right after our exact runs")
+    p.add_argument("--exact", action="store_true",
+                   help="also run the workload on our engine in exact fp32 (dtype float32: the GGUF blocks, token-identical "
+                        "to HF fp32), where the chosen dtype runs another path (auto on a CPU with native bf16)")
     p.add_argument("--no-roofline", action="store_true",
                    help="skip measuring this CPU's roofline (bandwidth, peak GEMMs: ~30 s) for the ceiling column")
     p.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (default 128)")
@@ -71,15 +75,14 @@ def b1_request(llm, tokens: int, seed: int) -> BenchRequest:
     return BenchRequest(corpus(llm.engine.tokenizer, seed).window(32, random.Random(seed + 1)), tokens)
 
 
-def decode_b1(llm, dtype: torch.dtype, req: BenchRequest, hf: bool, a8_llm=None) -> dict:
+def decode_b1(llm, dtype: torch.dtype, req: BenchRequest, hf: bool, extras: dict | None = None) -> dict:
     """Batch-1 decode tok/s of ``req`` (see :func:`b1_request`): (n-1)/(finish - first token).
-    ``a8_llm``: the same engine with int8 activations (``quantization="gguf-a8"``, llama.cpp's arithmetic)."""
+    ``extras``: our other engines by name (int8 activations, exact fp32)."""
     ids, tokens = req.prompt_ids, req.max_tokens
     out: dict = {"tokens": tokens}
-    for name, engine in (("pagedllm", llm), (A8_NAME, a8_llm)):
-        if engine is not None:
-            r = run_engine(engine, [BenchRequest(ids, tokens)], system=f"{name} b1", progress=False)
-            out[name] = 1.0 / r.tpot_s[0] if r.tpot_s[0] else None
+    for name, engine in {"pagedllm": llm, **(extras or {})}.items():
+        r = run_engine(engine, [BenchRequest(ids, tokens)], system=f"{name} b1", progress=False)
+        out[name] = 1.0 / r.tpot_s[0] if r.tpot_s[0] else None
     if hf:
         model, htok = bl.hf_model(dtype)
         bl.hf_generate(model, htok, [ids], 2)
@@ -131,11 +134,18 @@ def run(args) -> Report:
         small = {} if args.a8 else {"num_blocks": 64}  # batch-1 only: a small pool
         a8_llm = make_llm(args.dtype, seed=args.seed, **{**args.engine_args, "quantization": "gguf-a8", **small})
         engine_warmup(a8_llm)
+    model = llm.engine.forward_pass.model
+    exact_llm = None
+    if args.exact and not (model.act_dtype == torch.float32 and model.quantization in ("gguf", "none")):
+        exact_llm = make_llm("float32", seed=args.seed, **args.engine_args)
+        engine_warmup(exact_llm)
+    extras = {n: e for n, e in ((A8_NAME, a8_llm), (EXACT_NAME, exact_llm)) if e is not None}
+    w1_extras = {n: e for n, e in extras.items() if n != A8_NAME or args.a8}
 
-    def run_a8() -> None:
-        if args.a8 and a8_llm is not None:
-            a8_llm.reset_prefix_cache()
-            results.append(run_engine(a8_llm, reqs, system=A8_NAME, desc=A8_NAME))
+    def run_extras() -> None:
+        for name, engine in w1_extras.items():
+            engine.reset_prefix_cache()
+            results.append(run_engine(engine, reqs, system=name, desc=name))
 
     # vLLM, the peer to beat, runs right after our engine and ours runs again right after it: the VM's speed
     # drifts by up to 2x within minutes, so its ratio is taken against both neighbouring runs
@@ -144,7 +154,7 @@ def run(args) -> Report:
     llm.reset_prefix_cache()  # a cold start for W1 (a reused engine may have seen these prompts)
     results = [run_engine(llm, reqs, desc="pagedllm")]
     if "vllm" not in chosen:
-        run_a8()
+        run_extras()
     for i, b in enumerate(chosen):
         # a bench cut short (time limit, Ctrl-C, a crashing baseline) leaves what it measured on disk
         emit(_report(args, w, is_w1, bs, budget, llm, reqs, results, None, chosen[i:], roof), args.out, plot,
@@ -154,8 +164,8 @@ def run(args) -> Report:
             if not isinstance(results[-1], bl.Skipped):
                 llm.reset_prefix_cache()  # the same prompts again: computed, not found in the cache
                 results.append(run_engine(llm, reqs, system=AGAIN, desc=AGAIN))
-            run_a8()
-    b1 = decode_b1(llm, dtype, b1_req, hf="hf-dynamic" in chosen, a8_llm=a8_llm)
+            run_extras()
+    b1 = decode_b1(llm, dtype, b1_req, hf="hf-dynamic" in chosen, extras=extras)
     lcpp = next((r for r in results if not isinstance(r, bl.Skipped) and r.system == bl.LLAMA_CPP_NAME), None)
     if lcpp is not None and lcpp.tpot_s:
         b1["llama_cpp"] = len(lcpp.tpot_s) / sum(lcpp.tpot_s)  # mean decode step of its one-at-a-time requests
@@ -183,11 +193,12 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
         if r is ours:
             rows.append([r.system, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.elapsed_s, 1.0, ""])
             continue
-        if r.system in (AGAIN, A8_NAME):
+        if r.system in (AGAIN, A8_NAME, EXACT_NAME):
             note = "our engine again, right after vLLM (the VM's drift between runs)"
-            if r.system == A8_NAME:
-                note = (f"our engine with int8 activations (llama.cpp's arithmetic, not bit-exact): "
-                        f"{ratio(r.output_tok_s, ours.output_tok_s):.2f}x our exact first run"
+            if r.system != AGAIN:
+                what = ("with int8 activations (llama.cpp's arithmetic, not bit-exact)" if r.system == A8_NAME
+                        else "in exact fp32 (token-identical to HF fp32)")
+                note = (f"our engine {what}: {ratio(r.output_tok_s, ours.output_tok_s):.2f}x our first run"
                         + (f", {ratio(r.output_tok_s, vllm.output_tok_s):.2f}x vLLM" if vllm else ""))
             rows.append([r.system, r.requests_per_s, r.output_tok_s, r.total_tok_s, r.elapsed_s, None, note])
             continue
@@ -249,6 +260,7 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
     tables = [Table(cols, rows, "Throughput", 2)]
     if b1:
         names = {"pagedllm": "pagedllm", A8_NAME: f"{A8_NAME} (int8 activations, like llama.cpp)",
+                 EXACT_NAME: f"{EXACT_NAME} (token-identical to HF fp32)",
                  "hf_dynamic": "HF generate (DynamicCache)", "vllm": f"{bl.VLLM_NAME} (the same request)",
                  "llama_cpp": "llama.cpp Q4_1 (its sequential W1 requests, prompts 32-512)"}
         b1_rows = [[label, b1[k]] for k, label in names.items() if k in b1]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 TINY = {
-    "throughput": ["--dtype", "float32", "--requests", "3",  # fp32: the int8-activation run needs it "--max-prompt", "24", "--max-output", "6", "--min-output", "2",
-                   "--batch-size", "2", "--decode-tokens", "6"],
+    "throughput": ["--dtype", "float32", "--requests", "3", "--max-prompt", "24", "--max-output", "6", "--min-output",
+                   "2", "--batch-size", "2", "--decode-tokens", "6"],  # fp32: the int8-activation run needs it
     "sweep": ["--batch-sizes", "1,2", "--new-tokens", "4"],
     "waste": ["--max-tokens", "6", "--repeat", "1"],
     "latency": ["--max-tokens", "6", "--num-requests", "3", "--rate", "4", "--serve-time", "60"],
@@ -155,6 +155,27 @@ def test_throughput_a8_runs_the_workload_on_int8_activations_too(tmp_path, capsy
     assert runs[1]["output_tokens"] == runs[0]["output_tokens"] > 0  # the same workload, every token
     assert A8_NAME not in d["result"]["speedup"]
     assert "int8 activations" in d["tables"][0]["rows"][1][-1]
+
+
+def test_throughput_exact_runs_fp32_beside_another_dtype(tmp_path, capsys):
+    from pagedllm.bench.cli import main
+    from pagedllm.bench.throughput import EXACT_NAME
+
+    main(["throughput", "--quick", "--out", str(tmp_path), *TINY["throughput"], "--dtype", "bfloat16",
+          "--baselines", "none", "--exact", "--no-roofline"])
+    capsys.readouterr()
+    d = json.loads((tmp_path / "throughput.json").read_text())
+    runs = d["result"]["runs"]
+    assert [x["system"] for x in runs] == ["pagedllm", EXACT_NAME]
+    assert runs[1]["output_tokens"] == runs[0]["output_tokens"] > 0
+    assert "exact fp32" in d["tables"][0]["rows"][1][-1]
+    assert d["result"]["decode_b1_tok_s"][EXACT_NAME] > 0
+    # already exact: nothing to run beside it
+    main(["throughput", "--quick", "--out", str(tmp_path), *TINY["throughput"], "--baselines", "none", "--exact",
+          "--no-roofline"])
+    capsys.readouterr()
+    d = json.loads((tmp_path / "throughput.json").read_text())
+    assert [x["system"] for x in d["result"]["runs"]] == ["pagedllm"]
 
 
 def test_padded_baseline_time_budget_stops_mid_batch():
