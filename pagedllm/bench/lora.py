@@ -180,8 +180,8 @@ def run(args) -> Report:
         f"1-minute load average at the start and after each adapter count: {', '.join(f'{x:.2f}' for x in loads)}"])
     rep.tables.append(Table(["adapters", "used", "base tok/s", "LoRA tok/s", "LoRA / base", "HF+PEFT tok/s",
                              "LoRA / HF+PEFT", "base KV blocks", "LoRA KV blocks"], rows, digits=2))
-    rep.result = {"requests": num, "hf_dtype": str(hf_dtype).removeprefix("torch."), "rank": args.rank, "zipf": args.zipf, "rounds": rounds, "loadavg": loads,
-                  "runs": raw}
+    rep.result = {"requests": num, "hf_dtype": str(hf_dtype).removeprefix("torch."), "rank": args.rank,
+                  "zipf": args.zipf, "rounds": rounds, "loadavg": loads, "runs": raw}
     return rep
 
 

@@ -41,8 +41,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run the workload on our engine with quantization=gguf-a8 (int8 activations, llama.cpp's "
                         "arithmetic: faster, not bit-exact), right after our exact runs")
     p.add_argument("--exact", action="store_true",
-                   help="also run the workload on our engine in exact fp32 (dtype float32: the GGUF blocks, token-identical "
-                        "to HF fp32), where the chosen dtype runs another path (auto on a CPU with native bf16)")
+                   help="also run the workload on our engine in exact fp32 (dtype float32: the GGUF blocks, "
+                        "token-identical to HF fp32), where the chosen dtype runs another path (auto on a CPU with "
+                        "native bf16)")
     p.add_argument("--no-roofline", action="store_true",
                    help="skip measuring this CPU's roofline (bandwidth, peak GEMMs: ~30 s) for the ceiling column")
     p.add_argument("--decode-tokens", type=int, default=None, help="batch-1 decode run length (default 128)")
