@@ -71,9 +71,10 @@ class CudaGraphCapture:
 
     def capture(self, step: Callable[[], None]) -> Callable[[], None]:
         """Other threads keep running during a capture (the KV tiers' copy threads, an earlier engine's): their
-        CUDA calls are not this capture's business (``thread_local``; the default ``global`` mode let any thread's
-        synchronize or free invalidate it), and Python's cyclic GC is off, so that no thread's collection frees an
-        older engine's CUDA memory or graphs in the middle of it (torch.cuda.graph collects just before)."""
+        allocations and event waits on their own streams are not this capture's business (``thread_local``; the
+        default ``global`` mode let them invalidate it; a device-wide synchronize would still break it, and no
+        engine thread makes one), and Python's cyclic GC is off, so that no thread's collection frees an older
+        engine's CUDA memory or graphs in the middle of it (torch.cuda.graph collects just before)."""
         step()  # warm-up: Triton compiles its kernels and lazy allocations happen outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
