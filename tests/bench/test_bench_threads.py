@@ -26,10 +26,12 @@ def test_run_alternates_the_configurations_and_reports_each(tmp_path, capsys, mo
     monkeypatch.setattr(threads, "measure", fake)
     assert main(["threads", "--quick", "--rounds", "2", "--out", str(tmp_path)]) == 0
     names = list(threads.CONFIGS)
-    assert [c for c, _ in calls[:3]] == names and [c for c, _ in calls[6:9]] == names[::-1]
-    assert [k for _, k in calls[:6]] == [False] * 3 + [True] * 3
+    n = len(names)
+    assert [c for c, _ in calls[:n]] == names and [c for c, _ in calls[2 * n:3 * n]] == names[::-1]
+    assert [k for _, k in calls[:2 * n]] == [False] * n + [True] * n
     r = json.loads((tmp_path / "threads.json").read_text())["result"]
-    assert r["runs"]["quiet"]["spin 1000, fixed threads"] == [11.0, 19.0]
+    first = names.index("spin 1000, fixed threads")
+    assert r["runs"]["quiet"]["spin 1000, fixed threads"] == [11.0 + first, 10.0 + 3 * n - first]
     rows = json.loads((tmp_path / "threads.json").read_text())["tables"][0]["rows"]
     assert len(rows) == len(threads.CONDITIONS) * len(threads.CONFIGS)
     assert "adaptive" in capsys.readouterr().out

@@ -43,6 +43,21 @@ def test_governor_keeps_the_faster_thread_count_and_retries(two_threads):
     assert g.chosen == {} and g.threads == 2 and torch.get_num_threads() == 2
 
 
+def test_first_trial_comes_before_the_period_on_a_contended_machine(two_threads):
+    """The first trial comes ``first_trial_s`` after the first step, not a whole period later: a 2-s wait is a
+    whole short run on a team stalled by a neighbour."""
+    m = FakeSteps({2: 0.030, 1: 0.018})  # contended from the start
+    g = ThreadGovernor(period_s=2.0, trial_steps=4, clock=lambda: m.t, first_trial_s=0.25)
+    m.run(g, 20)  # 0.6 s on two threads
+    assert g.chosen == {1: 1} and g.threads == 1
+    assert m.used.index(1) <= 10, "the first trial started after ~0.25 s of steps"
+    late = FakeSteps({2: 0.030, 1: 0.018})
+    torch.set_num_threads(2)  # the first governor left one
+    g = ThreadGovernor(period_s=2.0, trial_steps=4, clock=lambda: late.t, first_trial_s=5.0)  # capped at the period
+    late.run(g, 80)
+    assert 2.0 / 0.030 <= late.used.index(1) <= 2.0 / 0.030 + 2
+
+
 def test_governor_compares_steps_of_one_size_only(two_threads):
     """A trial started on decode steps is judged on decode steps: a big prefill meanwhile runs on its own count."""
     m = FakeSteps({2: 0.010, 1: 0.018})
