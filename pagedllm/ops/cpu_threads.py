@@ -8,7 +8,8 @@ waits at every barrier for a thread the scheduler has parked, for whole time sli
 tok/s with spin 1000 on a 2-core Zen 5). libgomp reads its wait policy once, at start, so the policy cannot change
 at run time; the team's size can. Whether one thread fewer pays depends on the neighbours (one busy process on one
 core: it does; a machine oversubscribed many times over: more threads get more of the CPU), so it is measured, not
-inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s`` runs
+inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s`` (the first time after
+``first_trial_s``) runs
 ``trial_steps`` steps of one size on the other thread count and as many again on the current one; the other count
 takes over only when its median beats both, and only for steps of that size. Sizes choose apart because they
 answer apart: a decode step of a few rows is ~150 short parallel regions, each a barrier a parked thread can hold
