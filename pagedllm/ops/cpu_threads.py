@@ -10,8 +10,8 @@ at run time; the team's size can. Whether one thread fewer pays depends on the n
 core: it does; a machine oversubscribed many times over: more threads get more of the CPU), so it is measured, not
 inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s`` (the first time after
 ``first_trial_s``) runs ``trial_steps`` steps of one size on the other thread count and as many again on the
-current one; the other count takes over only when its median beats both, and only for steps of that size. Sizes choose apart because they
-answer apart: a decode step of a few rows is ~150 short parallel regions, each a barrier a parked thread can hold
+current one; the other count takes over only when its median beats both, and only for steps of that size. Sizes
+choose apart because they answer apart: a decode step of a few rows is ~150 short parallel regions, each a barrier a parked thread can hold
 up, where a prefill chunk's GEMMs are long enough to use every core they get. One choice for all sizes made serving
 slow: a trial on single-row decode steps that hit its deadline ran every step on one thread for 6 s, prefills
 included, and a verdict won on decode steps would have too (at 2 req/s, TTFT p99 ~2x the fixed policy's; see
