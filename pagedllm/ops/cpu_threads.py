@@ -1,21 +1,21 @@
-"""OpenMP threads that survive a shared machine: the CPU kernels' thread count is the one whose steps measure
-faster, re-tried while the engine runs.
+"""OpenMP threads that survive a shared machine: the CPU kernels' thread count is the one whose steps measure faster,
+re-tried while the engine runs.
 
-pagedllm's OpenMP threads spin at barriers for ``GOMP_SPINCOUNT`` iterations before sleeping (``pagedllm/__init__``):
-on dedicated cores that is what makes batch-1 decode fast (a step has ~150 parallel regions, waking a sleeping
-thread costs 25-45 us). When another busy process takes one of the cores, a team that still counts on that core
-waits at every barrier for a thread the scheduler has parked, for whole time slices (batch 1 fell from 145 to 45
-tok/s with spin 1000 on a 2-core Zen 5). libgomp reads its wait policy once, at start, so the policy cannot change
-at run time; the team's size can. Whether one thread fewer pays depends on the neighbours (one busy process on one
-core: it does; a machine oversubscribed many times over: more threads get more of the CPU), so it is measured, not
-inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s`` (the first time after
-``first_trial_s``) runs ``trial_steps`` steps of one size on the other thread count and as many again on the
-current one; the other count takes over only when its median beats both, and only for steps of that size. Sizes
-choose apart because they answer apart: a decode step of a few rows is ~150 short parallel regions, each a barrier a parked thread can hold
-up, where a prefill chunk's GEMMs are long enough to use every core they get. One choice for all sizes made serving
-slow: a trial on single-row decode steps that hit its deadline ran every step on one thread for 6 s, prefills
-included, and a verdict won on decode steps would have too (at 2 req/s, TTFT p99 ~2x the fixed policy's; see
-bench/README.md, threads).
+pagedllm's OpenMP threads spin at barriers for ``GOMP_SPINCOUNT`` iterations before sleeping
+(``pagedllm/__init__``): on dedicated cores that is what makes batch-1 decode fast (a step has ~150 parallel
+regions, waking a sleeping thread costs 25-45 us). When another busy process takes one of the cores, a team that
+still counts on that core waits at every barrier for a thread the scheduler has parked, for whole time slices (batch
+1 fell from 145 to 45 tok/s with spin 1000 on a 2-core Zen 5). libgomp reads its wait policy once, at start, so the
+policy cannot change at run time; the team's size can. Whether one thread fewer pays depends on the neighbours (one
+busy process on one core: it does; a machine oversubscribed many times over: more threads get more of the CPU), so
+it is measured, not inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s``
+(the first time after ``first_trial_s``) runs ``trial_steps`` steps of one size on the other thread count and as
+many again on the current one; the other count takes over only when its median beats both, and only for steps of
+that size. Sizes choose apart because they answer apart: a decode step of a few rows is ~150 short parallel regions,
+each a barrier a parked thread can hold up, where a prefill chunk's GEMMs are long enough to use every core they
+get. One choice for all sizes made serving slow: a trial on single-row decode steps that hit its deadline ran every
+step on one thread for 6 s, prefills included, and a verdict won on decode steps would have too (at 2 req/s, TTFT
+p99 ~2x the fixed policy's; see bench/README.md, threads).
 """
 
 from __future__ import annotations
