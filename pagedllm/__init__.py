@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # 10000 libgomp iterations (~0.1-0.5 ms), which covers the Python and the small single-threaded ops between two
 # GEMMs too. Alternating processes, 2 threads, quiet:
 # - AMX Xeon (session 11): W1 342 -> 430 out tok/s for spin 1000 -> 10000 (3000 385, 30000 420, 100000 436);
-#   batch-1 `auto` 84-90 -> 97-109; the 30 layers' bf16 GEMMs at 40 rows 38.6 -> 21.3 ms (spin 100: 40.8).
+#   batch-1 `auto` 84-90 -> 97-109; the 30 layers' bf16 GEMMs at 40 rows 34.8 -> 21.3 ms (spin 100: 40.8).
 # - Zen 5 EPYC, exact batch-1: spin 100 80-83 tok/s, 300 107, 500 127, 1000 145-148, 10000 141-152.
 # Contended (a busy process on the other core) two spinning threads lose: AMX 38 tok/s at 10000, 53 at 1000, 55 at
 # 100; Zen 5 13-26 / 45 / 66-69. The thread governor (pagedllm/ops/cpu_threads.py) then measures one thread
