@@ -62,8 +62,7 @@ def _engine_overrides(items: list[str]) -> dict:
         default = fields[k].default
         if isinstance(default, bool) or fields[k].type == "bool | None":
             out[k] = v.lower() in ("1", "true", "yes", "on")
-        elif isinstance(default, int) or k in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_seqs",
-                                              "max_num_batched_tokens"):
+        elif isinstance(default, int) or "int" in str(fields[k].type):  # int | None: block_size, num_blocks, ...
             out[k] = int(float(v))
         elif isinstance(default, float):
             out[k] = float(v)

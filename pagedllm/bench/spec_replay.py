@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.method == "draft_model":
             spec["num_layers"] = args.num_layers
         runner = llm.engine.forward_pass
-        proposer = make_proposer(SpeculativeConfig.from_dict(spec), runner.model, runner.backend, runner.block_size)
+        proposer = make_proposer(SpeculativeConfig.from_dict(spec), runner.model, runner.backend)
         stats = replay_acceptance(proposer, prompts, outputs, k)
         print(json.dumps({"workload": args.workload, "method": args.method, "num_layers": args.num_layers, "k": k,
                           **stats.as_dict()}))

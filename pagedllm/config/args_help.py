@@ -12,7 +12,7 @@ ENGINE_FLAG_HELP = {
     "kv_cache_dtype": "KV cache dtype (auto: same as --dtype)",
     "quantization": "auto, none, gguf (keep a GGUF's Q4_1/Q8_0 blocks, exact), gguf-a8 (int8 activations, faster) or "
                     "gguf-bf16 (decode from the blocks, larger GEMMs in bf16 on AMX/AVX512-BF16: auto's pick there)",
-    "block_size": "tokens per KV block",
+    "block_size": "tokens per KV block (default: 16 on CUDA, 128 on the CPU)",
     "kv_cache_memory": "bytes for the KV pool, units allowed (4GiB, 512MB); default: --kv-cache-fraction of free memory",
     "kv_cache_fraction": "fraction of free memory for the KV pool when --kv-cache-memory is not given",
     "num_blocks": "exact number of KV blocks (overrides the memory settings)",

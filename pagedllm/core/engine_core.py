@@ -89,8 +89,7 @@ class EngineCore:
         self.beam = BeamSearch(self)
         self._structured = None  # StructuredOutputManager, made with the first structured request
         self._compiling: dict[str, Future] = {}  # requests whose grammar compiles; they join the scheduler after
-        self.speculator = Speculator.from_config(args.speculative_config, getattr(self.executor, "worker", None),
-                                                 spec.block_size)
+        self.speculator = Speculator.from_config(args.speculative_config, getattr(self.executor, "worker", None))
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._forks: list[tuple[int, int, int]] = []  # for the next SchedulerOutput

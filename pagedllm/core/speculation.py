@@ -46,7 +46,7 @@ class Speculator:
         self.policy = DraftPolicy(self.num_speculative_tokens)
 
     @classmethod
-    def from_config(cls, config: str | dict[str, Any] | None, worker=None, block_size: int = 16) -> "Speculator | None":
+    def from_config(cls, config: str | dict[str, Any] | None, worker=None) -> "Speculator | None":
         """vLLM's ``speculative_config`` (a dict or its JSON text); None: no speculation. A draft model
         needs the target's weights: ``worker`` is the in-process worker (the ``uni`` executor)."""
         if config is None or config == "":
@@ -61,7 +61,7 @@ class Speculator:
             raise ValueError("speculative_config.method 'draft_model' runs the draft beside the target: use "
                              "distributed_executor_backend='uni'")
         target, backend = (worker.model, worker.forward_pass.backend) if worker is not None else (None, None)
-        return cls(make_proposer(cfg, target, backend, block_size), cfg.num_speculative_tokens)
+        return cls(make_proposer(cfg, target, backend), cfg.num_speculative_tokens)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:

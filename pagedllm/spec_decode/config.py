@@ -28,7 +28,7 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_min_token_prob: float = 0.1
-    draft_num_blocks: int = 1024  # draft_model: blocks of the draft's own KV pool
+    draft_num_blocks: int = 1024  # draft_model: 16-token blocks of the draft's own KV pool
 
     def __post_init__(self) -> None:
         def need_int(name: str, lo: int, optional: bool = False) -> None:
@@ -91,7 +91,7 @@ class SpeculativeConfig:
         return cls(**d)
 
 
-def make_proposer(config: SpeculativeConfig, target=None, backend=None, block_size: int = 16) -> Proposer:
+def make_proposer(config: SpeculativeConfig, target=None, backend=None) -> Proposer:
     """The proposer ``config`` names. ``draft_model`` needs the target ``LlamaForCausalLM`` (its
     layers for self-speculation, its vocabulary to check a separate draft) and an attention backend."""
     if config.method == "ngram":
@@ -111,4 +111,4 @@ def make_proposer(config: SpeculativeConfig, target=None, backend=None, block_si
         draft = self_speculative_draft(target, config.num_layers)
     else:
         draft = load_draft(config.model, target)
-    return DraftModelProposer(draft, backend, config.draft_num_blocks, block_size)
+    return DraftModelProposer(draft, backend, config.draft_num_blocks)

@@ -59,7 +59,9 @@ class _DraftSeq:
 
 
 class DraftModelProposer(Proposer):
-    """Greedy drafts from ``model`` with a KV pool of ``num_blocks`` blocks of ``block_size``.
+    """Greedy drafts from ``model`` with a KV pool of its own, ``num_blocks`` blocks of ``block_size`` (16 whatever
+    the target's: the draft's block tables never meet the target's, and 1024 blocks of the CPU's 128 would hold 8x
+    the tokens a draft needs).
 
     A sequence the pool cannot hold gets no drafts this step (speculation degrades, never fails).
     """

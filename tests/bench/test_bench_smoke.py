@@ -283,3 +283,14 @@ def test_spec(outdir, capsys):
     assert [x["workload"] for x in r["runs"]] == ["copy", "W1"]
     assert all(x["identical"] for x in r["runs"])  # greedy: speculation changes no token
     assert all(x["tok_s_on"] > 0 and x["tok_s_off"] > 0 for x in r["runs"])
+
+
+def test_engine_overrides_take_each_fields_type():
+    from pagedllm.bench.cli import _engine_overrides
+
+    got = _engine_overrides(["block_size=64", "num-blocks=1e3", "kv_cache_fraction=0.2", "enforce_eager=true",
+                             "kv_cache_dtype=int8", "async_scheduling=0"])
+    assert got == {"block_size": 64, "num_blocks": 1000, "kv_cache_fraction": 0.2, "enforce_eager": True,
+                   "kv_cache_dtype": "int8", "async_scheduling": False}
+    with pytest.raises(SystemExit, match="unknown engine arg"):
+        _engine_overrides(["blocksize=64"])

@@ -14,8 +14,8 @@ def test_tp2_engine_equals_tp1(tiny_model_dir, wiki_texts):
               SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
     kw = dict(device="cpu", kv_cache_memory=16 << 20, max_num_batched_tokens=64, check_integrity=True)  # gloo ranks
-    one = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
-    llm = LLM(tiny_model_dir, tensor_parallel_size=2, **kw)
+    one = LLM(tiny_model_dir, block_size=16, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, block_size=16, **kw)
     two = llm.generate(prompts, params, use_tqdm=False)
     assert [[o.token_ids for o in r.outputs] for r in two] == [[o.token_ids for o in r.outputs] for r in one]
     assert two[3].num_cached_tokens > 0
@@ -28,9 +28,11 @@ def test_tp2_engine_preempts_like_tp1(tiny_model_dir, wiki_texts):
     and the greedy tokens still equal an unconstrained TP=1 run's."""
     prompts = [t[:240] for t in wiki_texts[4:10]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = LLM(tiny_model_dir, device="cpu", kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False)
+    want = LLM(tiny_model_dir, device="cpu", kv_cache_memory=16 << 20, block_size=16).generate(prompts, params,
+               use_tqdm=False)
     for mode in ({}, {"preemption_mode": "swap", "swap_space": 8 << 20}):
-        llm = LLM(tiny_model_dir, device="cpu", tensor_parallel_size=2, num_blocks=16, check_integrity=True, **mode)
+        llm = LLM(tiny_model_dir, device="cpu", tensor_parallel_size=2, num_blocks=16, block_size=16,
+                  check_integrity=True, **mode)
         got = llm.generate(prompts, params, use_tqdm=False)
         assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want], mode
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"

@@ -10,7 +10,7 @@ from pagedllm import LLM, SamplingParams
 
 
 def _pair(path, **kw):
-    return [LLM(path, check_integrity=True, async_scheduling=flag, **kw) for flag in (False, True)]
+    return [LLM(path, check_integrity=True, async_scheduling=flag, block_size=16, **kw) for flag in (False, True)]
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def _assert_clean(llm):
 @pytest.fixture(scope="module")
 def reference(smollm2_path, wiki_texts):
     """Every request run alone (batch of one) with plain settings."""
-    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory=256 << 20, block_size=16, enable_prefix_caching=False)
     prompts, params = _prompts(llm.tokenizer, wiki_texts)
     alone = [_tokens(llm.generate([p], [sp], use_tqdm=False))[0] for p, sp in zip(prompts, params)]
     _assert_clean(llm)
@@ -53,7 +53,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_batched_equals_alone(name, smollm2_path, reference):
     prompts, params, alone = reference
-    llm = LLM(smollm2_path, dtype="float32", check_integrity=True, **CONFIGS[name])
+    llm = LLM(smollm2_path, dtype="float32", check_integrity=True, block_size=16, **CONFIGS[name])
     if name == "lpm":  # repeat a few prompts so prefix hits and reordering happen
         prompts, params, alone = prompts + prompts[30:], params + params[30:], alone + alone[30:]
     together = _tokens(llm.generate(prompts, params, use_tqdm=False))

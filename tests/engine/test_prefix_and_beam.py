@@ -17,7 +17,7 @@ def test_shared_system_prompt_computed_once(tiny_model_dir):
     computed = {}
     for caching in (True, False):
         llm = LLM(tiny_model_dir, kv_cache_memory=256 << 20, enable_prefix_caching=caching, check_integrity=True,
-                  max_num_batched_tokens=4096)
+                  max_num_batched_tokens=4096, block_size=16)
         eng = llm.engine
         llm.generate([prompts[0]], sp, use_tqdm=False)  # warm the cache with one request
         rids = [eng.add_request(p, sp) for p in prompts[1:]]
@@ -38,7 +38,7 @@ def test_shared_system_prompt_computed_once(tiny_model_dir):
 
 
 def test_cache_salt_isolates_tenants(tiny_model_dir):
-    llm = LLM(tiny_model_dir, kv_cache_memory=64 << 20)
+    llm = LLM(tiny_model_dir, kv_cache_memory=64 << 20, block_size=16)
     prompt = list(range(200, 300))
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([prompt], sp, use_tqdm=False, cache_salt="tenant-a")
@@ -57,7 +57,7 @@ def test_beam_search_matches_hf(smollm2_path, wiki_texts):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory=128 << 20, check_integrity=True)
+    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory=128 << 20, block_size=16, check_integrity=True)
     tok = llm.tokenizer
     prompts = [tok.encode(t)[:12 + 5 * i] for i, t in enumerate(wiki_texts[10:15])]
     sp = SamplingParams(use_beam_search=True, beam_width=4, temperature=0, max_tokens=10, length_penalty=1.0)
@@ -78,7 +78,7 @@ def test_requests_arriving_together_share_a_prefix_being_computed(tiny_model_dir
     wait a step and read its blocks instead of prefilling the same tokens concurrently (under async scheduling
     too, where the first step is still in flight when the second is scheduled: CUDA's default)."""
     llm = LLM(tiny_model_dir, device="cpu", kv_cache_memory=64 << 20, check_integrity=True,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, block_size=16)
     system = [500 + i for i in range(64)]
     prompts = [system + [9000 + i, 9100 + i, 9200 + i] for i in range(8)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)

@@ -10,12 +10,12 @@ from pagedllm import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return LLM(tiny_model_dir, kv_cache_memory=64 << 20, check_integrity=True)
+    return LLM(tiny_model_dir, kv_cache_memory=64 << 20, block_size=16, check_integrity=True)
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path):
-    return LLM(smollm2_path, kv_cache_memory=128 << 20, check_integrity=True)
+    return LLM(smollm2_path, kv_cache_memory=128 << 20, block_size=16, check_integrity=True)
 
 
 def _clean(llm):

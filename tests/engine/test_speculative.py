@@ -39,12 +39,12 @@ def test_greedy_with_drafts_equals_greedy_without(model, tiny_model_dir, smollm2
     prompts = [t[:200] for t in wiki_texts[:3]]
     # fp32: the exact path, whose tokens do not depend on how many rows a step has. (dtype auto on an AMX/AVX512-BF16
     # CPU is gguf-bf16: 3 plain decode rows read the exact blocks, 3 x 5 verify rows run as bf16 GEMMs)
-    plain = LLM(path, kv_cache_memory=64 << 20, dtype="float32")
+    plain = LLM(path, kv_cache_memory=64 << 20, block_size=16, dtype="float32")
     ref = plain.generate(prompts, sp, use_tqdm=False)
     full = [o.prompt_token_ids + o.outputs[0].token_ids for o in ref]
     proposer = OracleProposer(full)
     spec = LLM(path, kv_cache_memory=64 << 20, check_integrity=True, dtype="float32",
-               speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+               speculative_config='{"method": "ngram", "num_speculative_tokens": 4}', block_size=16)
     spec.engine.core.speculator.proposer = proposer
     got = spec.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
@@ -79,8 +79,9 @@ def test_ngram_drafts_under_preemption_and_abort(tiny_model_dir):
     prompts = [[100 + (i * 7 + j) % 50 for j in range(40)] for i in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     small = dict(num_blocks=14, max_num_batched_tokens=64, check_integrity=True)
-    ref = LLM(tiny_model_dir, **small).generate(prompts, sp, use_tqdm=False)
-    llm = LLM(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **small)
+    ref = LLM(tiny_model_dir, block_size=16, **small).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=16,
+              **small)
     got = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     eng = llm.engine

@@ -95,7 +95,8 @@ def test_engine_tokens_do_not_depend_on_the_pool_policy(tiny_model_dir):
     order = [0, 1, 0, 2, 0, 3, 4, 0, 5, 1, 6, 7, 0, 2]
     outs, hits = {}, {}
     for eviction in ("lru", "reuse"):
-        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=16, check_integrity=True, kv_eviction=eviction)
+        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=16, block_size=16, check_integrity=True,
+                  kv_eviction=eviction)
         res = [llm.generate([prompts[k]], sp, use_tqdm=False)[0] for k in order]
         outs[eviction] = [r.outputs[0].token_ids for r in res]
         hits[eviction] = [r.num_cached_tokens for r in res]

@@ -13,7 +13,7 @@ PROMPTS = [[1000 + (i * 37 + j * 11) % 20000 for i in range(130)] for j in range
 
 
 def _run(model, **tiers):
-    llm = LLM(model, dtype="float32", num_blocks=24, check_integrity=True, **tiers)
+    llm = LLM(model, dtype="float32", num_blocks=24, block_size=16, check_integrity=True, **tiers)
     outs = [llm.generate([p], SP, use_tqdm=False)[0] for _ in range(2) for p in PROMPTS]
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.stats()["used"] == 0
@@ -36,7 +36,8 @@ def test_tiers_are_token_identical_and_hit_after_eviction_and_restart(tiny_model
 
 def test_waiting_for_disk_does_not_stall_others(tiny_model_dir, tmp_path):
     _run(tiny_model_dir, kv_disk_path=str(tmp_path))
-    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=24, check_integrity=True, kv_disk_path=str(tmp_path))
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=24, block_size=16, check_integrity=True,
+              kv_disk_path=str(tmp_path))
     eng = llm.engine
     other = eng.add_request([5] * 40, SP)  # not on disk: runs at once
     back = eng.add_request(PROMPTS[0], SP)  # on disk: waits for its blocks
@@ -53,13 +54,13 @@ def test_waiting_for_disk_does_not_stall_others(tiny_model_dir, tmp_path):
 
 def test_bad_tier_settings_name_the_field(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_eviction"):
-        LLM(tiny_model_dir, num_blocks=24, kv_offload_memory=1 << 20, kv_eviction="mru")
+        LLM(tiny_model_dir, num_blocks=24, block_size=16, kv_offload_memory=1 << 20, kv_eviction="mru")
     with pytest.raises(ValueError, match="kv_offload_memory"):
-        LLM(tiny_model_dir, num_blocks=24, kv_offload_memory=10)
+        LLM(tiny_model_dir, num_blocks=24, block_size=16, kv_offload_memory=10)
     with pytest.raises(ValueError, match="kv_disk_size"):
-        LLM(tiny_model_dir, num_blocks=24, kv_disk_path=str(tmp_path), kv_disk_size=0)
+        LLM(tiny_model_dir, num_blocks=24, block_size=16, kv_disk_path=str(tmp_path), kv_disk_size=0)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLM(tiny_model_dir, num_blocks=24, kv_offload_memory=1 << 20, enable_prefix_caching=False)
+        LLM(tiny_model_dir, num_blocks=24, block_size=16, kv_offload_memory=1 << 20, enable_prefix_caching=False)
 
 
 def test_smollm2_fp32_token_identical_with_tiers(smollm2_dir, tmp_path):
@@ -67,7 +68,7 @@ def test_smollm2_fp32_token_identical_with_tiers(smollm2_dir, tmp_path):
     prompts = [[1000 + (i * 31 + j * 17) % 40000 for i in range(100)] for j in range(4)]
     outs = {}
     for name, tiers in (("off", {}), ("on", {"kv_offload_memory": 2 << 20, "kv_disk_path": str(tmp_path)})):
-        llm = LLM(smollm2_dir, dtype="float32", num_blocks=14, check_integrity=True, **tiers)
+        llm = LLM(smollm2_dir, dtype="float32", num_blocks=14, block_size=16, check_integrity=True, **tiers)
         outs[name] = [llm.generate([p], SP, use_tqdm=False)[0] for _ in range(2) for p in prompts]
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs["on"]] == [o.outputs[0].token_ids for o in outs["off"]]
@@ -78,7 +79,8 @@ def test_peer_prefix_export_looks_in_the_tiers(tiny_model_dir):
     """A replica asked for a prefix (scale-out peer fetch) also serves what its L2 holds."""
     from pagedllm.scaleout.kv_transfer import export_prefix
 
-    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=24, check_integrity=True, kv_offload_memory=4 << 20)
+    llm = LLM(tiny_model_dir, dtype="float32", num_blocks=24, block_size=16, check_integrity=True,
+              kv_offload_memory=4 << 20)
     for p in PROMPTS:
         llm.generate([p], SP, use_tqdm=False)
     core = llm.engine.core

@@ -16,7 +16,8 @@ HIT = 8 * 16  # a returning prompt's cached tokens: its 8 full blocks
 
 
 def _run(model, **kw):
-    llm = LLM(model, device="cpu", dtype="float32", num_blocks=24, check_integrity=True, **kw)  # TP: gloo ranks
+    llm = LLM(model, device="cpu", dtype="float32", num_blocks=24, block_size=16, check_integrity=True,
+              **kw)  # TP: gloo ranks
     outs = [llm.generate([p], SP, use_tqdm=False)[0] for _ in range(2) for p in PROMPTS]
     kv = llm.engine.kv
     kv.check_integrity()  # free + used = total in the pool; slots and files in the tiers

@@ -23,7 +23,7 @@ LONG = list(range(100, 150))  # 3 full blocks of 16
 def make_llm(model_dir, **kw) -> LLM:
     opts = dict(enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32", kv_cache_memory=4 << 20,
                 check_integrity=True)
-    return LLM(model_dir, **{**opts, **kw})
+    return LLM(model_dir, block_size=16, **{**opts, **kw})
 
 
 def test_prefix_cache_is_per_adapter(tiny_model_dir, tiny_adapters):
@@ -202,7 +202,7 @@ def test_adapter_pages_cross_to_a_worker_process(tiny_model_dir, tiny_hf, tiny_a
 
 
 def test_adapter_slots_come_out_of_the_kv_budget(tiny_model_dir):
-    base = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=4 << 20)
+    base = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=4 << 20, block_size=16)
     lora = make_llm(tiny_model_dir, max_loras=4, max_lora_rank=16)
     cfg = base.engine.forward_pass.model.config
     slot_bytes = LoRASlots.bytes_for(LoRAShapes.of(cfg), 4, 16)
@@ -214,7 +214,7 @@ def test_adapter_slots_come_out_of_the_kv_budget(tiny_model_dir):
 
 
 def test_lora_request_needs_enable_lora(tiny_model_dir, tiny_adapters):
-    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=4 << 20)
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory=4 << 20, block_size=16)
     with pytest.raises(ValueError, match="without enable_lora"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, tiny_adapters[0]))
     assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished()

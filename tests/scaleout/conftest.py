@@ -17,7 +17,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 @pytest.fixture(scope="session")
 def tiny_args(tiny_model_dir) -> EngineArgs:
-    return EngineArgs(model=tiny_model_dir, num_blocks=48, dtype="float32", seed=0)
+    return EngineArgs(model=tiny_model_dir, num_blocks=48, block_size=16, dtype="float32", seed=0)
 
 
 def run_core(core, request_id: str, prompt: list[int], salt: str | None = None) -> list[int]:

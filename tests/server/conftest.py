@@ -28,8 +28,8 @@ def _free_port() -> int:
 
 @contextmanager
 def live_server(engine_options: dict | None = None, **app_options):
-    """A uvicorn server over a fresh engine on loopback: small pool and context (cheap over-limit cases),
-    integrity check after every step, fp32, API key on; ``engine_options`` override the ``EngineArgs`` (e.g. a
+    """A uvicorn server over a fresh engine on loopback: small pool of 16-token blocks and context (cheap over-limit
+    cases), integrity check after every step, fp32, API key on; ``engine_options`` override the ``EngineArgs`` (e.g. a
     tiny model), ``app_options`` go to ``create_app``."""
     import uvicorn
 
@@ -38,7 +38,7 @@ def live_server(engine_options: dict | None = None, **app_options):
     from pagedllm.server import create_app
 
     # fp32: the tests compare with HF fp32 token for token (auto would pick bf16 on a CPU with native bf16)
-    options = dict(dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=16, max_model_len=1024,
+    options = dict(dtype="float32", kv_cache_memory=256 << 20, block_size=16, max_num_seqs=16, max_model_len=1024,
                    check_integrity=True)
     engine = AsyncEngine(EngineArgs(**{**options, **(engine_options or {})}))
     port = _free_port()

@@ -30,7 +30,7 @@ def test_all_layers_draft_proposes_the_targets_greedy_tokens(target):
     prompts = [[5, 9, 13, 2, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
     p = make_proposer(SpeculativeConfig.from_dict({"method": "draft_model", "num_layers": 2,
                                                    "num_speculative_tokens": 6, "draft_num_blocks": 16}),
-                      target, get_backend("reference"), BS)
+                      target, get_backend("reference"))
     out = p.propose(prompts, [6, 3], ["a", "b"]).token_ids
     assert out == [target_greedy(target, prompts[0], 6), target_greedy(target, prompts[1], 3)]
     assert target.config.num_layers == 2 and len(target.layers) == 2  # the target is untouched

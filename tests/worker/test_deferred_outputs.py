@@ -53,9 +53,9 @@ def graphs_on(monkeypatch):
 
 
 def test_deferred_decode_steps_equal_the_synchronous_engine_and_launch_before_the_wait(tiny_model_dir, graphs_on):
-    eager = LLM(tiny_model_dir, enforce_eager=True, async_scheduling=False, **KW)
+    eager = LLM(tiny_model_dir, enforce_eager=True, async_scheduling=False, block_size=16, **KW)
     want = _run(eager)
-    llm = LLM(tiny_model_dir, async_scheduling=True, **KW)
+    llm = LLM(tiny_model_dir, async_scheduling=True, block_size=16, **KW)
     assert llm.engine.core.executor.defers
     got = _run(llm)
     assert [g[:2] for g in got] == [w[:2] for w in want]
@@ -74,7 +74,7 @@ def test_deferred_decode_steps_equal_the_synchronous_engine_and_launch_before_th
 
 def test_sync_engine_never_defers(tiny_model_dir, graphs_on):
     """Without async scheduling a graph step's ids are waited for before the step returns."""
-    llm = LLM(tiny_model_dir, async_scheduling=False, **KW)
+    llm = LLM(tiny_model_dir, async_scheduling=False, block_size=16, **KW)
     _run(llm)
     log = LoggedCopy.log
     assert log and all(log[i] == ("start", n) and log[i + 1] == ("wait", n)
@@ -89,9 +89,9 @@ def test_rows_that_change_under_a_deferred_step_get_its_ids_first(tiny_model_dir
     params = [SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_tokens=3 + 4 * i, ignore_eos=True,
                              top_k=20 if i == 7 else -1, logprobs=2 if i == 7 else None) for i in range(10)]
     kw = dict(KW, num_blocks=8, kv_cache_memory=None)
-    sync = LLM(tiny_model_dir, async_scheduling=False, **kw)
+    sync = LLM(tiny_model_dir, async_scheduling=False, block_size=16, **kw)
     want = _run(sync, prompts, params)
-    llm = LLM(tiny_model_dir, async_scheduling=True, **kw)
+    llm = LLM(tiny_model_dir, async_scheduling=True, block_size=16, **kw)
     got = _run(llm, prompts, params)
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert llm.engine.kv.stats()["used"] == 0
@@ -127,7 +127,7 @@ def test_the_deferred_path_uploads_without_waiting(tiny_model_dir, graphs_on, mo
                 return _original(self, *a, **kw)
 
         monkeypatch.setattr(model_runner.ModelRunner, name, under_check)
-    llm = LLM(tiny_model_dir, async_scheduling=True, **KW)
+    llm = LLM(tiny_model_dir, async_scheduling=True, block_size=16, **KW)
     _run(llm)  # a blocking upload fails its requests (the step's error reaches generate)
     assert {"_graph_step", "_take_pending"} <= set(checked)
     with pytest.raises(AssertionError, match="blocking"), BlockingUploadCheck():

@@ -35,7 +35,7 @@ def checked(monkeypatch):
 
 def _llm(model_dir: str, device: str, **kw) -> LLM:
     kw = {"dtype": "float32", "max_num_seqs": 8, **kw}  # 8: few decode graphs to capture on a GPU
-    llm = LLM(model_dir, device=device, **kw)
+    llm = LLM(model_dir, device=device, block_size=16, **kw)
     assert isinstance(llm.engine.forward_pass, CheckedForwardPass)  # the check is really on
     return llm
 

@@ -76,7 +76,7 @@ def test_the_worker_sizes_its_pool_from_the_profile(tiny_model_dir, monkeypatch,
     monkeypatch.setattr(ForwardPass, "forward", spy)
     with caplog.at_level(logging.INFO, logger="pagedllm.worker"):
         llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_batched_tokens=96, max_num_seqs=4,
-                  gpu_memory_utilization=0.5)
+                  gpu_memory_utilization=0.5, block_size=16)
     assert steps == [(96, 4, 8)]  # 4 prompts of 24 tokens on an 8-block scratch pool
     kv = llm.engine.forward_pass.kv_cache
     per_block = KVCache.bytes_per_block(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size, kv.dtype)
@@ -105,8 +105,11 @@ def test_utilization_out_of_range_is_refused(value):
 
 def test_gpu_defaults_serve_and_the_cpu_keeps_its_own(monkeypatch):
     gpu, cpu = EngineArgs(device="cuda:0"), EngineArgs(device="cpu")
-    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 8192)
-    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 1024)
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.block_size) == (256, 8192, 16)
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.block_size) == (64, 1024, 128)  # vLLM's CPU block
     assert EngineArgs(device="cuda", max_num_seqs=8).max_num_seqs == 8
+    assert EngineArgs(device="cpu", block_size=32).block_size == 32
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        EngineArgs(device="cpu", block_size=48)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert EngineArgs().max_num_seqs == 256  # auto picks the GPU
+    assert (EngineArgs().max_num_seqs, EngineArgs().block_size) == (256, 16)  # auto picks the GPU
