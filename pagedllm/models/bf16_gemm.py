@@ -55,12 +55,14 @@ class PackedBF16:
         return cls(wb, tuple(wb.shape), False, min_rows)
 
 
-def bf16_linear(x: torch.Tensor, w: PackedBF16, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [T, K] @ w.T (+ b)`` as a bf16 GEMM, returned in ``x``'s dtype (bias added in that dtype)."""
+def bf16_linear(x: torch.Tensor, w: PackedBF16, b: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [T, K] @ w.T (+ b)`` as a bf16 GEMM, returned in ``out_dtype`` (default ``x``'s; bias added in it)."""
+    out_dtype = out_dtype or x.dtype
     xb = x.to(torch.bfloat16)
     if w.prepacked:
         y = torch.ops.mkldnn._linear_pointwise(xb, w.data, None, "none", [], "")
     else:
         y = F.linear(xb, w.data)
-    y = y.to(x.dtype)
-    return y if b is None else y.add_(b.to(x.dtype))
+    y = y.to(out_dtype)
+    return y if b is None else y.add_(b.to(out_dtype))

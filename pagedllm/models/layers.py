@@ -19,7 +19,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | PackedBF16, b: torch.Tensor | None = None,
-           upcast: bool = False) -> torch.Tensor:
+           upcast: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear`` over a flat batch ``x [T, K]``.
 
     With ``upcast`` the weight is low precision and the math runs in fp32 on fp32 activations: on
@@ -27,12 +27,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | PackedBF16, b: t
     on the CPU go to the C++ kernel (``ops/csrc/gemm.cpp``; ATen where it can't be built, e.g. without AVX2)
     at every batch size: it streams the weights near memory bandwidth for decode steps and beats MKL and
     oneDNN by 10-40% on larger batches here (2-core EPYC, AVX2). GGUF block weights: see ``models/quant.py``;
-    bf16 weights prepacked for oneDNN: ``models/bf16_gemm.py``.
+    bf16 weights prepacked for oneDNN: ``models/bf16_gemm.py``. ``out_dtype`` is for those bf16 GEMMs only
+    (see :func:`bf16_gemm_rows`): their result's dtype, bias added in it; default ``x``'s dtype.
     """
     if isinstance(w, QuantizedWeight):
-        return quantized_linear(x, w, b)
+        return quantized_linear(x, w, b, out_dtype)
     if isinstance(w, PackedBF16):
-        return bf16_linear(x, w, b)
+        return bf16_linear(x, w, b, out_dtype)
     if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()
             and w.dtype in (torch.float32, torch.bfloat16) and x.shape[1] % 8 == 0 and w.is_contiguous()):
         if ops.load("gemm"):
@@ -42,6 +43,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | PackedBF16, b: t
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
+def bf16_gemm_rows(w: torch.Tensor | QuantizedWeight | PackedBF16, rows: int) -> bool:
+    """Whether :func:`linear` runs ``rows`` rows through ``w`` as a bf16 GEMM (a prepacked bf16 matrix, or a GGUF
+    matrix's bf16 copy from its ``min_rows``), so fp32 activations are rounded to bf16 at its input anyway."""
+    packed = w.bf16 if isinstance(w, QuantizedWeight) else w if isinstance(w, PackedBF16) else None
+    return packed is not None and rows >= packed.min_rows
+
+
 def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
     """Whether every tensor (None aside) is contiguous float32 on the CPU, as the fused kernels require.
     A plain loop over the cheapest attributes: at batch 1 this check runs ~120 times a step."""
@@ -49,6 +57,11 @@ def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
         if t is not None and (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous()):
             return False
     return True
+
+
+def _fp32_or_bf16_cpu(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is None or a contiguous float32 or bfloat16 CPU tensor (a bf16 GEMM's output)."""
+    return t is None or (t.dtype in (torch.float32, torch.bfloat16) and t.is_cpu and t.is_contiguous())
 
 
 def _fused_cuda(*tensors: torch.Tensor | None):
@@ -61,31 +74,41 @@ def _fused_cuda(*tensors: torch.Tensor | None):
     return triton_fused if triton_fused.HAS_TRITON else None
 
 
-def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``h += delta`` in place (the residual add; skipped when ``delta`` is None), then ``rms_norm(h)``.
+def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``h += delta`` in place (the residual add; skipped when ``delta`` is None), then ``rms_norm(h)``, returned
+    in ``out_dtype`` (default: ``h``'s).
 
     For fp32 ``[T, E]`` on CPU this is one C++ op: ATen runs RMSNorm as ~8 small ops, which is most
-    of the per-op overhead of a batch-1 decode step. Anything else goes through :func:`rms_norm`.
+    of the per-op overhead of a batch-1 decode step. There ``delta`` may be bf16 and ``out_dtype`` bf16 (the
+    outputs and inputs of bf16 GEMMs, ``models/bf16_gemm.py``): the same values as casting around the fp32 op.
+    Anything else goes through :func:`rms_norm`.
     """
-    if h.dim() == 2 and weight.dim() == 1 and _fp32_cpu(h, weight, delta):
+    bf16_out = out_dtype == torch.bfloat16 and h.dtype == torch.float32
+    if h.dim() == 2 and weight.dim() == 1 and _fp32_cpu(h, weight) and _fp32_or_bf16_cpu(delta):
         if ops.load("fused_ops"):
-            return torch.ops.pagedllm.add_rms_norm.default(h, delta, weight, eps)
+            return torch.ops.pagedllm.add_rms_norm.default(h, delta, weight, eps, bf16_out)
     elif h.dim() == 2 and weight.dim() == 1 and weight.dtype == h.dtype and (fused := _fused_cuda(h, delta, weight)):
         return fused.add_rms_norm_triton(h, delta, weight, eps)
     if delta is not None:
         h.add_(delta)
-    return rms_norm(h, weight, eps)
+    y = rms_norm(h, weight, eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused gate/up output ``[T, 2I]`` (gate first); one C++ op for fp32 on CPU."""
-    if gate_up.dim() == 2 and _fp32_cpu(gate_up):
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up output ``[T, 2I]`` (gate first), in ``out_dtype`` (default:
+    ``gate_up``'s); one C++ op on CPU for fp32, and for a bf16 ``gate_up`` (a bf16 GEMM's output) computed in fp32."""
+    if gate_up.dim() == 2 and _fp32_or_bf16_cpu(gate_up) and (gate_up.dtype == torch.float32 or out_dtype is not None):
         if ops.load("fused_ops"):
-            return torch.ops.pagedllm.silu_mul.default(gate_up)
+            return torch.ops.pagedllm.silu_mul.default(gate_up, (out_dtype or gate_up.dtype) == torch.bfloat16)
     elif gate_up.dim() == 2 and (fused := _fused_cuda(gate_up)):
-        return fused.silu_mul_triton(gate_up)
+        y = fused.silu_mul_triton(gate_up)
+        return y if out_dtype is None else y.to(out_dtype)
     inter = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
+    g = gate_up if out_dtype is None else gate_up.float()
+    y = F.silu(g[..., :inter]).mul_(g[..., inter:])
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,8 +20,8 @@ from pagedllm.models.bf16_gemm import PackedBF16, onednn_bf16_available
 from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.models.decode_layer import decode_layer, fused_layer_applies
-from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, linear, rms_norm, rope_cos_sin,
-                                    silu_mul)
+from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear, rms_norm,
+                                    rope_cos_sin, silu_mul)
 from pagedllm.models.quant import MATRICES, QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks
 
 if TYPE_CHECKING:
@@ -71,8 +71,9 @@ class LlamaDecoderLayer(nn.Module):
         up = self.upcast
         T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        x = add_rms_norm_(h, delta, self.input_norm, self.eps)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, up)  # [T, (H + 2 Hkv) D]
+        lowp = self._bf16_inputs(h, lora)
+        x = add_rms_norm_(h, delta, self.input_norm, self.eps, lowp)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, up, h.dtype)  # [T, (H + 2 Hkv) D]
         if lora is not None:
             lora.add_(self.index, "qkv", qkv, x)
         fused = getattr(backend, "forward_qkv", None)
@@ -89,20 +90,30 @@ class LlamaDecoderLayer(nn.Module):
                 qk = rms_norm(qk, self.qk_norm, self.eps)
             apply_rope_(qk, cos, sin)
             attn = backend.forward(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, scale).reshape(T, H * D)
-        o = linear(attn, self.o_weight, self.o_bias, up)
+        o = linear(attn, self.o_weight, self.o_bias, up, lowp if self.o_bias is None else None)
         if lora is not None:
             lora.add_(self.index, "o", o, attn)
         if self.tp is not None:
             self.tp.all_reduce(o)
-        x = add_rms_norm_(h, o, self.post_norm, self.eps)
+        x = add_rms_norm_(h, o, self.post_norm, self.eps, lowp)
         gate_up = linear(x, self.gate_up_weight, None, up)
         if lora is not None:
             lora.add_(self.index, "gate_up", gate_up, x)
-        act = silu_mul(gate_up)
+        act = silu_mul(gate_up, lowp)
         down = linear(act, self.down_weight, None, up)
         if lora is not None:
             lora.add_(self.index, "down", down, act)
         return down if self.tp is None else self.tp.all_reduce(down)
+
+    def _bf16_inputs(self, h: torch.Tensor, lora: LoRAStep | None) -> torch.dtype | None:
+        """bf16 when this step's GEMMs run on bf16 copies of the weights under fp32 activations (gguf-bf16 from 8
+        rows): the norms and the activation then write bf16 for them, and o, gate/up and down hand their bf16
+        results on unwidened (the residual add and the activation widen them as they read), the same values as
+        casting at each GEMM without the casts. Not with adapters or shards, whose adds and sums want fp32."""
+        if (h.dtype != torch.float32 or lora is not None or self.tp is not None
+                or not bf16_gemm_rows(self.qkv_weight, h.shape[0])):
+            return None
+        return torch.bfloat16
 
 
 class LlamaForCausalLM(nn.Module):

@@ -169,12 +169,14 @@ def require_kernel() -> None:
                            "use quantization='none'")
 
 
-def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, b: torch.Tensor | None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [T, K] @ w.T (+ b)`` in fp32, dequantizing the blocks inside the kernel at every batch size. gguf-a8 also
     takes bf16 activations (rounded to int8 either way) and returns them in their dtype. A matrix with a bf16 copy
-    (gguf-bf16) runs GEMMs of at least its ``min_rows`` rows on that copy."""
+    (gguf-bf16) runs GEMMs of at least its ``min_rows`` rows on that copy, ``x`` fp32 or already rounded to bf16,
+    the result in ``out_dtype`` (default ``x``'s)."""
     if w.bf16 is not None and x.shape[0] >= w.bf16.min_rows:
-        return bf16_linear(x, w.bf16, b)
+        return bf16_linear(x, w.bf16, b, out_dtype)
     if w.int8_activations:
         xf, bf = x.float().contiguous(), None if b is None else b.float()
         if w.packed:

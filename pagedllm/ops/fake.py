@@ -84,8 +84,8 @@ def _dequantize(wq, qtype, K) -> torch.Tensor:
 
 
 @_fake("fused_ops", "add_rms_norm")
-def _add_rms_norm(h, delta, weight, eps) -> torch.Tensor:
-    return torch.empty_like(h)
+def _add_rms_norm(h, delta, weight, eps, bf16_out=False) -> torch.Tensor:
+    return torch.empty_like(h, dtype=torch.bfloat16 if bf16_out else h.dtype)
 
 
 @_fake("fused_ops", "rope")
@@ -94,8 +94,9 @@ def _rope(x, cos, sin, num_heads=-1) -> None:
 
 
 @_fake("fused_ops", "silu_mul")
-def _silu_mul(gate_up) -> torch.Tensor:
-    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+def _silu_mul(gate_up, bf16_out=False) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2),
+                             dtype=torch.bfloat16 if bf16_out else torch.float32)
 
 
 @_fake("quant_a8", "linear_a8")

@@ -104,3 +104,55 @@ def test_fp32_wrappers_match_aten() -> None:
     torch.testing.assert_close(x, ref, rtol=1e-6, atol=1e-6)
     gate_up = torch.randn(T, 2 * E, generator=g)
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate_up[:, :E]) * gate_up[:, E:], rtol=1e-6, atol=1e-7)
+
+
+def _with_specials(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with values whose bf16 rounding is a tie (both ways), a bf16 subnormal, a NaN, an overflow to inf."""
+    flat = x.view(-1)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x00018000, 0x7F7FFFFF], dtype=torch.int32).view(torch.float32)
+    flat[: len(ties)] = ties
+    flat[-1] = float("nan")
+    return x
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same dtype and values, NaN where the other has NaN (their payloads may differ)."""
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("T", ROWS)
+@pytest.mark.parametrize("E", (576, 104, 13))
+def test_add_rms_norm_reads_bf16_deltas_and_writes_bf16_like_casts(T: int, E: int) -> None:
+    """gguf-bf16's layers: the delta a bf16 GEMM returned is widened as it is added, and the norm written for the
+    next bf16 GEMM is rounded like ``.to(torch.bfloat16)`` (nearest even): the same bits as the casts around the
+    fp32 op."""
+    g = torch.Generator().manual_seed(T * E + 1)
+    h, w = torch.randn(T, E, generator=g), torch.randn(E, generator=g)
+    d = torch.randn(T, E, generator=g).bfloat16()
+    ref_h, h0 = h.clone(), h.clone()
+    ref = torch.ops.pagedllm.add_rms_norm(ref_h, d.float(), w, 1e-5).bfloat16()
+    got = torch.ops.pagedllm.add_rms_norm(h, d, w, 1e-5, True)
+    assert got.dtype == torch.bfloat16 and torch.equal(h, ref_h) and torch.equal(got, ref)
+    y = _with_specials(torch.randn(T, E, generator=g) * 3)  # the rounding alone: a unit norm weight, no delta
+    h2 = y.clone()
+    rounded = torch.ops.pagedllm.add_rms_norm(h2, None, torch.ones(E), 1e-5, True)
+    want = torch.ops.pagedllm.add_rms_norm(y.clone(), None, torch.ones(E), 1e-5).bfloat16()
+    _same(rounded, want)
+    assert torch.equal(add_rms_norm_(h0, d, w, 1e-5, torch.bfloat16), got)  # the wrapper takes the op
+
+
+@pytest.mark.parametrize("T", ROWS)
+@pytest.mark.parametrize("I", (1536, 100, 13))
+def test_silu_mul_in_and_out_of_bf16_like_casts(T: int, I: int) -> None:
+    g = torch.Generator().manual_seed(T + I + 2)
+    gate_up = _with_specials(4 * torch.randn(T, 2 * I, generator=g))
+    want = torch.ops.pagedllm.silu_mul(gate_up)
+    _same(torch.ops.pagedllm.silu_mul(gate_up, True), want.bfloat16())
+    gb = gate_up.bfloat16()
+    want_b = torch.ops.pagedllm.silu_mul(gb.float())
+    _same(torch.ops.pagedllm.silu_mul(gb), want_b)  # bf16 in, fp32 out
+    _same(torch.ops.pagedllm.silu_mul(gb, True), want_b.bfloat16())
+    _same(silu_mul(gb, torch.bfloat16), want_b.bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.pagedllm.silu_mul(gate_up.half())

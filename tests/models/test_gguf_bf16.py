@@ -130,6 +130,20 @@ def test_gguf_bf16_decode_rows_read_the_exact_blocks(ckpt):
     assert torch.equal(mixed.compute_logits(rows), F.linear(rows.bfloat16(), exact.lm_head.dequantize().bfloat16()).float())
 
 
+def test_gguf_bf16_layers_hand_bf16_between_gemms_with_the_same_bits(ckpt, monkeypatch):
+    """From BF16_MIN_ROWS rows the norms and the activation write bf16 for the bf16 GEMMs and the GEMMs' bf16 results
+    are read as they are (``LlamaDecoderLayer._bf16_inputs``): the logits equal those of casting at every GEMM."""
+    model = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf-bf16")
+    prompts = [ckpt.tokenizer("Paged attention keeps the cache in blocks of sixteen tokens")["input_ids"],
+               ckpt.tokenizer("The capital of France is")["input_ids"]]
+    layer = model.layers[0]
+    assert layer._bf16_inputs(torch.zeros(sum(map(len, prompts)), 1), None) == torch.bfloat16
+    assert layer._bf16_inputs(torch.zeros(BF16_MIN_ROWS - 1, 1), None) is None
+    fused = _forward(model, prompts, torch.bfloat16)
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_bf16_inputs", lambda self, h, lora: None)
+    assert torch.equal(fused, _forward(model, prompts, torch.bfloat16))
+
+
 def test_dense_bf16_prepacked_computes_what_f_linear_does(ckpt, monkeypatch):
     """bf16 activations on a native-bf16 CPU: the matrices prepacked once give the logits ``F.linear`` gave."""
     monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: True)

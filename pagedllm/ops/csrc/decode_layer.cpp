@@ -99,11 +99,11 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer runs one token: h must be [1, E], got ", h.sizes());
   TORCH_CHECK(qtypes.size() == 4 && rows.size() == 4, "qtypes and rows must give the formats and output sizes of "
               "qkv, o, gate_up and down");
-  static const auto norm = op<Tensor(Tensor, OptTensor, Tensor, double)>("pagedllm::add_rms_norm");
+  static const auto norm = op<Tensor(Tensor, OptTensor, Tensor, double, bool)>("pagedllm::add_rms_norm");
   static const auto rope = op<void(Tensor, Tensor, Tensor, int64_t)>("pagedllm::rope");
   static const auto attend = op<Tensor(Tensor, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
                                        double, int64_t, OptTensor, OptTensor)>("pagedllm::attend_qkv");
-  static const auto silu_mul = op<Tensor(Tensor)>("pagedllm::silu_mul");
+  static const auto silu_mul = op<Tensor(Tensor, bool)>("pagedllm::silu_mul");
   const int64_t num_kv_heads = k_cache.size(0);
   auto attention = [&](const Tensor& qkv) {
     rope.call(qkv, cos, sin, num_heads + num_kv_heads);
@@ -120,10 +120,10 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
       static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
       return gemv.call(x, w, qtypes[i], std::nullopt);
     };
-    Tensor x = norm.call(h, delta, input_norm, eps);
+    Tensor x = norm.call(h, delta, input_norm, eps, false);
     Tensor o = linear(attention(linear(x, qkv_wq, 0)), o_wq, 1);
-    x = norm.call(h, o, post_norm, eps);
-    return linear(silu_mul.call(linear(x, gate_up_wq, 2)), down_wq, 3);
+    x = norm.call(h, o, post_norm, eps, false);
+    return linear(silu_mul.call(linear(x, gate_up_wq, 2), false), down_wq, 3);
   }
   // thread t's share of a GEMV into y
   auto part = [&](const Tensor& x, const Tensor& w, size_t i, const Tensor& y, int64_t t, int64_t n) {
@@ -145,13 +145,13 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
 #pragma omp parallel num_threads(nthreads)
   {
     at::ThreadLocalStateGuard guard(tls);
-    relay.phase(0, 1, [&](int64_t) { x = norm.call(h, delta, input_norm, eps); });
+    relay.phase(0, 1, [&](int64_t) { x = norm.call(h, delta, input_norm, eps, false); });
     relay.phase(1, pieces, [&](int64_t p) { part(x, qkv_wq, 0, qkv, p, pieces); });
     relay.phase(2, 1, [&](int64_t) { attn = attention(qkv); });  // nested regions inside run on one thread
     relay.phase(3, pieces, [&](int64_t p) { part(attn, o_wq, 1, o, p, pieces); });
-    relay.phase(4, 1, [&](int64_t) { x = norm.call(h, o, post_norm, eps); });
+    relay.phase(4, 1, [&](int64_t) { x = norm.call(h, o, post_norm, eps, false); });
     relay.phase(5, pieces, [&](int64_t p) { part(x, gate_up_wq, 2, gate_up, p, pieces); });
-    relay.phase(6, 1, [&](int64_t) { act = silu_mul.call(gate_up); });
+    relay.phase(6, 1, [&](int64_t) { act = silu_mul.call(gate_up, false); });
     relay.phase(7, pieces, [&](int64_t p) { part(act, down_wq, 3, down, p, pieces); });
   }
   relay.rethrow();

@@ -1,5 +1,10 @@
 // Fused elementwise ops of a Llama decoder layer, for fp32 activations on x86 CPUs with AVX2.
 //
+// Where the next GEMM runs on bf16 weights (quantization="gguf-bf16" from 8 rows up), the norm and the MLP
+// activation write their output rounded to bf16 (`bf16_out`), and the residual add and the activation read the
+// bf16 outputs of the GEMMs before them: the same values as rounding and widening with separate ATen casts (round
+// to nearest even, like c10::BFloat16), without the casts' passes over memory and their parallel regions.
+//
 // At batch 1 a decode step is bound by per-op overhead: ATen runs RMSNorm as ~8 ops, rotary as ~6 and
 // the gated MLP activation as 2, each costing microseconds of dispatch for a few hundred floats.  Each
 // op here is one call that touches every element once.  The arithmetic follows ATen's (fp32, the same
@@ -12,6 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 
 // a*c - b*s rounds both products, like ATen's separate ops (gcc would otherwise contract it into an FMA).
 #pragma GCC optimize("fp-contract=off")
@@ -30,30 +37,35 @@ void check_f32_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
-// h += d (when HasDelta); y = h * rsqrt(mean(h^2) + eps) * w, for one row of E elements.
-template <bool HasDelta>
-void add_rms_norm_row(float* __restrict h, const float* __restrict d, const float* __restrict w,
-                      float* __restrict y, int64_t E, float eps) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t e = 0;
-  for (; e + 16 <= E; e += 16) {
-    __m256 a = _mm256_loadu_ps(h + e), b = _mm256_loadu_ps(h + e + 8);
-    if (HasDelta) {
-      a = _mm256_add_ps(a, _mm256_loadu_ps(d + e));
-      b = _mm256_add_ps(b, _mm256_loadu_ps(d + e + 8));
-      _mm256_storeu_ps(h + e, a);
-      _mm256_storeu_ps(h + e + 8, b);
-    }
-    acc0 = _mm256_fmadd_ps(a, a, acc0);
-    acc1 = _mm256_fmadd_ps(b, b, acc1);
-  }
-  float ss = hsum8(_mm256_add_ps(acc0, acc1));
-  for (; e < E; ++e) {
-    if (HasDelta) h[e] += d[e];
-    ss += h[e] * h[e];
-  }
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(E) + eps);
-  for (int64_t i = 0; i < E; ++i) y[i] = (h[i] * r) * w[i];
+void check_f32_or_bf16_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
+              " must be a float32 or bfloat16 CPU tensor");
+}
+
+// fp32 -> bf16, round to nearest even (c10::BFloat16's rounding, NaN kept quiet), 8 lanes.
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+// n < 8 elements through padded lanes: the same routines as the full lanes.
+template <typename T>
+inline __m256 load_tail(const T* p, int64_t n) {
+  alignas(32) T buf[8] = {};
+  std::copy(p, p + n, buf);
+  return load8(buf);
+}
+template <typename T>
+inline void store_tail(T* p, __m256 v, int64_t n) {
+  alignas(32) T buf[8];
+  store8(buf, v);
+  std::copy(buf, buf + n, p);
 }
 
 // silu(g) * u = g / (1 + exp(-g)) * u on 8 lanes, ATen's silu formula.
@@ -63,11 +75,80 @@ inline __m256 silu_mul8(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
 }
 
+// h += d (when HasDelta); y = h * rsqrt(mean(h^2) + eps) * w, for one row of E elements. d: fp32 or bf16 (widened
+// exactly); y: fp32, or bf16 rounded from the same fp32 value.
+template <bool HasDelta, typename D, typename Y>
+void add_rms_norm_row(float* __restrict h, const D* __restrict d, const float* __restrict w,
+                      Y* __restrict y, int64_t E, float eps) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t e = 0;
+  for (; e + 16 <= E; e += 16) {
+    __m256 a = _mm256_loadu_ps(h + e), b = _mm256_loadu_ps(h + e + 8);
+    if (HasDelta) {
+      a = _mm256_add_ps(a, load8(d + e));
+      b = _mm256_add_ps(b, load8(d + e + 8));
+      _mm256_storeu_ps(h + e, a);
+      _mm256_storeu_ps(h + e + 8, b);
+    }
+    acc0 = _mm256_fmadd_ps(a, a, acc0);
+    acc1 = _mm256_fmadd_ps(b, b, acc1);
+  }
+  float ss = hsum8(_mm256_add_ps(acc0, acc1));
+  for (; e < E; ++e) {
+    if (HasDelta) h[e] += static_cast<float>(d[e]);
+    ss += h[e] * h[e];
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(E) + eps);
+  if constexpr (std::is_same_v<Y, float>) {
+    for (int64_t i = 0; i < E; ++i) y[i] = (h[i] * r) * w[i];
+  } else {
+    const __m256 rv = _mm256_set1_ps(r);
+    int64_t i = 0;
+    for (; i + 8 <= E; i += 8)
+      store8(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(h + i), rv), _mm256_loadu_ps(w + i)));
+    for (; i < E; ++i) y[i] = static_cast<Y>((h[i] * r) * w[i]);
+  }
+}
+
+template <typename D, typename Y>
+void add_rms_norm_rows(float* hp, const D* dp, const float* wp, Y* yp, int64_t T, int64_t E, float eps) {
+  at::parallel_for(0, T, grain_rows(E), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (dp != nullptr)
+        add_rms_norm_row<true>(hp + t * E, dp + t * E, wp, yp + t * E, E, eps);
+      else
+        add_rms_norm_row<false>(hp + t * E, dp, wp, yp + t * E, E, eps);
+    }
+  });
+}
+
+template <typename Y>
+void add_rms_norm_any_delta(float* hp, const std::optional<torch::Tensor>& delta, const float* wp, Y* yp,
+                            int64_t T, int64_t E, float eps) {
+  if (!delta.has_value() || !delta->defined())
+    add_rms_norm_rows<float, Y>(hp, nullptr, wp, yp, T, E, eps);
+  else if (delta->scalar_type() == at::kBFloat16)
+    add_rms_norm_rows(hp, delta->data_ptr<at::BFloat16>(), wp, yp, T, E, eps);
+  else
+    add_rms_norm_rows(hp, delta->data_ptr<float>(), wp, yp, T, E, eps);
+}
+
+// silu(gate) * up of one row of I outputs; gate_up row: fp32 or bf16, out: fp32 or bf16.
+template <typename G, typename Y>
+void silu_mul_row(const G* g, Y* o, int64_t I) {
+  const G* u = g + I;
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) store8(o + i, silu_mul8(load8(g + i), load8(u + i)));
+  if (i < I) store_tail(o + i, silu_mul8(load_tail(g + i, I - i), load_tail(u + i, I - i)), I - i);
+}
+
+
 }  // namespace
 
-// h: [T, E] (updated in place: h += delta), delta: None or [T, E], weight: [E]; all float32 contiguous.
-// Returns rms_norm(h) * weight [T, E].
-torch::Tensor add_rms_norm(torch::Tensor h, std::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+// h: [T, E] (updated in place: h += delta), delta: None or [T, E] (float32 or bfloat16), weight: [E]; h and weight
+// float32; all contiguous. Returns rms_norm(h) * weight [T, E], in bfloat16 when bf16_out.
+torch::Tensor add_rms_norm(torch::Tensor h, std::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
+                           bool bf16_out) {
   check_f32_cpu(h, "h");
   check_f32_cpu(weight, "weight");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be a contiguous [T, E] tensor");
@@ -75,23 +156,17 @@ torch::Tensor add_rms_norm(torch::Tensor h, std::optional<torch::Tensor> delta, 
   TORCH_CHECK(weight.numel() == E && weight.is_contiguous(), "weight must be a contiguous [E] tensor");
   const bool has_delta = delta.has_value() && delta->defined();
   if (has_delta) {
-    check_f32_cpu(*delta, "delta");
+    check_f32_or_bf16_cpu(*delta, "delta");
     TORCH_CHECK(delta->sizes() == h.sizes() && delta->is_contiguous(), "delta must be a contiguous [T, E] tensor");
   }
-  auto y = torch::empty_like(h);
+  auto y = torch::empty_like(h, bf16_out ? at::kBFloat16 : at::kFloat);
   float* hp = h.data_ptr<float>();
-  const float* dp = has_delta ? delta->data_ptr<float>() : nullptr;
   const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const float ep = static_cast<float>(eps);
-  at::parallel_for(0, T, grain_rows(E), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (has_delta)
-        add_rms_norm_row<true>(hp + t * E, dp + t * E, wp, yp + t * E, E, ep);
-      else
-        add_rms_norm_row<false>(hp + t * E, nullptr, wp, yp + t * E, E, ep);
-    }
-  });
+  if (bf16_out)
+    add_rms_norm_any_delta(hp, delta, wp, y.data_ptr<at::BFloat16>(), T, E, ep);
+  else
+    add_rms_norm_any_delta(hp, delta, wp, y.data_ptr<float>(), T, E, ep);
   return y;
 }
 
@@ -135,43 +210,35 @@ void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_hea
   });
 }
 
-// gate_up: [T, 2I] float32 contiguous (gate = first I columns). Returns silu(gate) * up [T, I].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_f32_cpu(gate_up, "gate_up");
+// gate_up: [T, 2I] float32 or bfloat16, contiguous (gate = first I columns). Returns silu(gate) * up [T, I],
+// computed in fp32, in bfloat16 when bf16_out.
+torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out) {
+  check_f32_or_bf16_cpu(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous [T, 2I] tensor");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto y = torch::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows(I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * 2 * I;
-      const float* u = g + I;
-      float* o = yp + t * I;
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8)
-        _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
-      if (i < I) {  // tail through a padded lane buffer: the same routine as the full lanes
-        alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
-        std::copy(g + i, g + I, gb);
-        std::copy(u + i, u + I, ub);
-        _mm256_store_ps(ob, silu_mul8(_mm256_load_ps(gb), _mm256_load_ps(ub)));
-        std::copy(ob, ob + (I - i), o + i);
-      }
-    }
-  });
+  auto y = torch::empty({T, I}, gate_up.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  auto rows = [&](auto* gp, auto* yp) {
+    at::parallel_for(0, T, grain_rows(I), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_mul_row(gp + t * 2 * I, yp + t * I, I);
+    });
+  };
+  const bool bf16_in = gate_up.scalar_type() == at::kBFloat16;
+  if (bf16_in && bf16_out) rows(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  else if (bf16_in) rows(gate_up.data_ptr<at::BFloat16>(), y.data_ptr<float>());
+  else if (bf16_out) rows(gate_up.data_ptr<float>(), y.data_ptr<at::BFloat16>());
+  else rows(gate_up.data_ptr<float>(), y.data_ptr<float>());
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.set_python_module("pagedllm.ops.fake");
   // h += delta (in place); returns rms_norm(h) * weight
-  m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps, bool bf16_out=False) -> Tensor");
   // rotary embedding (rotate-half) in place on x [T, N, D], or on the first num_heads heads of each row of x [T, W]
   m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads=-1) -> ()");
   // silu(gate) * up of a fused [T, 2I] gate/up output
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("silu_mul(Tensor gate_up, bool bf16_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
