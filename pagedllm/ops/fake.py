@@ -99,6 +99,11 @@ def _silu_mul(gate_up, bf16_out=False) -> torch.Tensor:
                              dtype=torch.bfloat16 if bf16_out else torch.float32)
 
 
+@_fake("sampling", "argmax_logsumexp")
+def _argmax_logsumexp(logits) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64), logits.new_empty(logits.shape[0])
+
+
 @_fake("quant_a8", "linear_a8")
 def _linear_a8(x, wq, qtype, bias=None) -> torch.Tensor:
     return x.new_empty((x.shape[0], wq.shape[0]))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import ops
 from pagedllm.protocol.logit_bias import apply_logit_bias
 from pagedllm.protocol.sampling_params import SamplingParams
 from pagedllm.worker.noise import exponential_noise
@@ -120,19 +121,33 @@ def is_plain(p: SamplingParams) -> bool:
             and p.logprobs is None)
 
 
+def greedy_and_normaliser(logits: torch.Tensor, need_all: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each row's argmax, and either the whole log-softmax (``need_all``: top logprobs were asked for) or only the
+    rows' logsumexp, from which a chosen token's logprob is ``logit - lse``. On the CPU the second is one C++ pass
+    per row (``ops/csrc/sampling.cpp``) that writes no ``[rows, vocab]`` buffer."""
+    if not need_all and logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2:
+        if ops.load("sampling"):
+            tokens, lse = torch.ops.pagedllm.argmax_logsumexp.default(logits.contiguous())
+            return tokens, None, lse
+    if not need_all:
+        return logits.argmax(-1), None, logits.logsumexp(-1)
+    return logits.argmax(-1), logits.log_softmax(-1), None
+
+
 def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, noise_keys: torch.Tensor, counters: torch.Tensor,
                  random: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and their logprobs for rows of plain settings (temperature 0: greedy), by one fixed sequence of
     ops with every setting read from tensors: capturable in a graph. ``random`` False: every row is greedy.
     Draws what :class:`Sampler` draws for the same rows."""
     logits = logits.float()
-    tokens = logits.argmax(-1)
+    tokens, _, lse = greedy_and_normaliser(logits, need_all=False)
     if random:
         t = temperature[:, None]
         probs = (logits / torch.where(t > 0, t, torch.ones_like(t))).softmax(-1)
         drawn = (probs / exponential_noise(noise_keys, counters, logits.shape[1])).argmax(-1)
         tokens = torch.where(temperature > 0, drawn, tokens)
-    return tokens, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logits.gather(1, tokens[:, None])[:, 0] - lse
 
 
 class Sampler:
@@ -146,8 +161,8 @@ class Sampler:
         apply_logit_bias(logits, [p.logit_bias for p in params])
         logits = apply_penalties(logits, batch)
         logits = suppress_stop_tokens(logits, batch, self.eos_token_ids)
-        logprobs_all = logits.log_softmax(-1)
-        tokens = logits.argmax(-1)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        tokens, logprobs_all, lse = greedy_and_normaliser(logits, need_all=bool(asked))
         rand = [i for i, p in enumerate(params) if p.temperature > 0]  # decided on the host, from the params
         if len(rand) == len(params):
             tokens = sample_random(logits, params, batch.noise_keys.to(dev), batch.num_tokens.to(dev))
@@ -158,8 +173,10 @@ class Sampler:
                                   batch.num_tokens.to(dev).index_select(0, idx))
             tokens = tokens.index_copy(0, idx, drawn)
 
-        chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        if logprobs_all is not None:
+            chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+        else:
+            chosen = logits.gather(1, tokens[:, None])[:, 0] - lse
         top_ids = top_vals = None
         if asked:
             k = max(max(asked), 1)
