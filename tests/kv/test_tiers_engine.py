@@ -69,7 +69,12 @@ def test_smollm2_fp32_token_identical_with_tiers(smollm2_dir, tmp_path):
     outs = {}
     for name, tiers in (("off", {}), ("on", {"kv_offload_memory": 2 << 20, "kv_disk_path": str(tmp_path)})):
         llm = LLM(smollm2_dir, dtype="float32", num_blocks=14, block_size=16, check_integrity=True, **tiers)
-        outs[name] = [llm.generate([p], SP, use_tqdm=False)[0] for _ in range(2) for p in prompts]
+        store = llm.engine.kv.tiers
+        outs[name] = []
+        for p in prompts * 2:
+            if store is not None:  # demotions are stored on the tiers' thread: wait for them, so every hit is due
+                store.flush()
+            outs[name].append(llm.generate([p], SP, use_tqdm=False)[0])
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in outs["on"]] == [o.outputs[0].token_ids for o in outs["off"]]
     assert [o.num_cached_tokens for o in outs["on"]][4:] == [96] * 4
