@@ -142,7 +142,6 @@ void silu_mul_row(const G* g, Y* o, int64_t I) {
   if (i < I) store_tail(o + i, silu_mul8(load_tail(g + i, I - i), load_tail(u + i, I - i)), I - i);
 }
 
-
 }  // namespace
 
 // h: [T, E] (updated in place: h += delta), delta: None or [T, E] (float32 or bfloat16), weight: [E]; h and weight

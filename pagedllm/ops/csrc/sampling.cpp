@@ -48,7 +48,7 @@ std::pair<int64_t, float> row_argmax(const float* x, int64_t n) {
   float best = kNegInf;
   int64_t arg = 0;
   for (int l = 0; l < 8; ++l)
-    if (m[l] > best || (m[l] == best && m[l] != kNegInf && id[l] < arg)) best = m[l], arg = id[l];
+    if (m[l] > best || (m[l] == best && id[l] < arg)) best = m[l], arg = id[l];  // a lane at -inf kept index 0
   for (; i < n; ++i) {
     if (std::isnan(x[i])) return {i, x[i]};
     if (x[i] > best) best = x[i], arg = i;
