@@ -10,11 +10,17 @@ once; softmax is online with fp32 accumulation; caches may be fp32 or bf16, or i
 rows it reads, chunk by chunk in L1; the pool is never dequantized into a copy).
 
 Decodes always go through the kernel. Prefill chunks go through it too unless the chunk is
-long enough that torch's CPU flash SDPA over a gathered context is faster
-(``sdpa_prefill_min_len``; measured in ``pagedllm/bench/attention.py``).
+long enough that torch's CPU flash SDPA over a gathered context is faster (``sdpa_prefill_min_len``; measured in
+``pagedllm/bench/attention.py``). A bf16 pool on a CPU with native bf16 (AVX512-BF16 / AMX) sends chunks of
+:data:`BF16_SDPA_MIN_LEN` queries and more there by default, computed in bf16 as vLLM's CPU build and HF bf16 do
+(queries rounded to bf16; the kernel's arithmetic is fp32 FMAs): torch's flash SDPA runs its bf16 tiles through
+oneDNN's brgemm (AMX on a Xeon), ~3x the kernel's prefill throughput at 256-token prompts. fp32 pools (the exact
+path) keep the kernel.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +28,16 @@ import torch.nn.functional as F
 from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import causal_mask, gather_sequence_kv
+from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.kv.kv_quant import QuantizedKV
+
+# Prefill chunks over a bf16 pool go to torch's bf16 flash SDPA on a CPU with native bf16 when they have at least
+# BF16_SDPA_MIN_LEN queries and BF16_SDPA_MIN_PAIRS (query, key) pairs (PAGEDLLM_BF16_SDPA_MIN_LEN=0: never). One
+# sequence, SmolLM2's heads (9 q, 3 kv, D 64), a layer's write + attend, AMX Xeon, 2 threads (kernel / SDPA ms):
+# 64 x 64 0.071 / 0.108, 128 x 128 0.18 / 0.18, 32 x 512 0.24 / 0.25, 256 x 256 0.61 / 0.40, 64 x 1024 0.91 / 0.57,
+# 512 x 2048 13.3 / 5.4. SDPA's gathers and casts cost ~50 us a call; its flash tiles win from ~16k pairs.
+BF16_SDPA_MIN_LEN = int(os.environ.get("PAGEDLLM_BF16_SDPA_MIN_LEN", "32"))
+BF16_SDPA_MIN_PAIRS = 1 << 15
 
 
 def load_kernel() -> None:
@@ -47,9 +62,33 @@ class CpuBackend:
 
     def __init__(self, q_tile: int = 16, sdpa_prefill_min_len: int | None = None) -> None:
         self.q_tile = q_tile
-        # prefill chunks with at least this many queries use gather + flash SDPA (None: never)
+        # prefill chunks with at least this many queries use gather + flash SDPA in the query's dtype (None: never)
         self.sdpa_prefill_min_len = sdpa_prefill_min_len
+        # prefill chunks over a bf16 pool with BF16_SDPA_MIN_LEN queries, BF16_SDPA_MIN_PAIRS pairs use SDPA in bf16
+        self.bf16_sdpa = BF16_SDPA_MIN_LEN > 0 and cpu_has_native_bf16()
         load_kernel()
+
+    def _sdpa_mode(self, k_cache) -> str | None:
+        """How long prefill chunks over this pool run: ``"query"`` (SDPA in the query's dtype, from
+        ``sdpa_prefill_min_len`` queries), ``"bf16"`` (SDPA in bf16 over a bf16 pool) or None (the kernel)."""
+        if self.sdpa_prefill_min_len is not None:
+            return "query"
+        if self.bf16_sdpa and not isinstance(k_cache, QuantizedKV) and k_cache.dtype == torch.bfloat16:
+            return "bf16"
+        return None
+
+    def _sdpa_seqs(self, meta: AttentionMetadata, mode: str | None) -> list[bool]:
+        """Per sequence, whether it goes through SDPA (worked out once per step, not per layer)."""
+        key = ("cpu_sdpa", mode)
+        if key not in meta.extra:
+            if mode is None:
+                meta.extra[key] = [False] * meta.num_seqs
+            elif mode == "bf16":
+                meta.extra[key] = [q >= BF16_SDPA_MIN_LEN and q * s >= BF16_SDPA_MIN_PAIRS
+                                   for q, s in zip(meta.query_lens_list, meta.seq_lens_list)]
+            else:
+                meta.extra[key] = [q >= self.sdpa_prefill_min_len for q in meta.query_lens_list]
+        return meta.extra[key]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         return None
@@ -60,25 +99,27 @@ class CpuBackend:
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
-        n = meta.num_seqs
-        split = n
-        if self.sdpa_prefill_min_len is not None:
-            # sequences from `split` on are prefill chunks long enough for SDPA
-            split = meta.num_decodes
-            while split < n and meta.query_lens_list[split] < self.sdpa_prefill_min_len:
-                split += 1
-        if split > 0:
-            self._kernel(q, k_cache, v_cache, out, meta, scale, 0, split)
-        if split < n:
-            self._sdpa_chunks(q, k_cache, v_cache, out, meta, scale, split)
+        mode = self._sdpa_mode(k_cache)
+        use = self._sdpa_seqs(meta, mode)
+        b = 0
+        while b < meta.num_seqs:  # runs of kernel sequences in one call each, SDPA ones one by one
+            e = b + 1
+            while e < meta.num_seqs and use[e] == use[b]:
+                e += 1
+            if use[b]:
+                dtype = torch.bfloat16 if mode == "bf16" else q.dtype
+                self._sdpa_chunks(q, k_cache, v_cache, out, meta, scale, b, e, dtype)
+            else:
+                self._kernel(q, k_cache, v_cache, out, meta, scale, b, e)
+            b = e
         return out
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, k_cache, v_cache, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
         """Attention straight from the fused projection output ``qkv [T, (H + 2 Hkv) D]`` (rope applied):
         one C++ call (write K/V, attend) returning ``[T, H * D]``; at batch 1 the views and separate calls
-        of :meth:`forward` cost as much as the attention. Long prefill chunks for SDPA take that path."""
-        if self.sdpa_prefill_min_len is not None or qkv.dim() != 2 or qkv.stride(1) != 1:
+        of :meth:`forward` cost as much as the attention. Steps with a prefill chunk for SDPA take that path."""
+        if any(self._sdpa_seqs(meta, self._sdpa_mode(k_cache))) or qkv.dim() != 2 or qkv.stride(1) != 1:
             T, D = qkv.shape[0], k_cache.shape[2]
             Hkv = k_cache.shape[0]
             q = qkv[:, : num_heads * D].view(T, num_heads, D)
@@ -90,23 +131,23 @@ class CpuBackend:
                                              meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
                                              self.q_tile, **scales)
 
-    def _sdpa_chunks(self, q, k_cache, v_cache, out, meta, scale, first) -> None:
+    def _sdpa_chunks(self, q, k_cache, v_cache, out, meta, scale, first, end, dtype) -> None:
+        """Sequences ``[first, end)`` through flash SDPA in ``dtype`` over their gathered context."""
         group = q.shape[1] // k_cache.shape[0]
         starts = meta.query_start_loc.tolist()
-        for i in range(first, meta.num_seqs):
+        for i in range(first, end):
             q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-            if q_len < (self.sdpa_prefill_min_len or 0):
-                self._kernel(q, k_cache, v_cache, out, meta, scale, i, i + 1)
-                continue
-            ki = gather_sequence_kv(k_cache, meta.block_tables[i], s_len, meta.block_size, q.dtype)
-            vi = gather_sequence_kv(v_cache, meta.block_tables[i], s_len, meta.block_size, q.dtype)
-            qi = q[starts[i] : starts[i] + q_len].transpose(0, 1)
+            # [1, heads, len, D]: torch's CPU flash kernel takes 4-d inputs only (3-d ones fall back to the
+            # unfused math path, ~10x slower)
+            ki = gather_sequence_kv(k_cache, meta.block_tables[i], s_len, meta.block_size, dtype)[None]
+            vi = gather_sequence_kv(v_cache, meta.block_tables[i], s_len, meta.block_size, dtype)[None]
+            qi = q[starts[i] : starts[i] + q_len].transpose(0, 1).to(dtype)[None]
             if q_len == s_len:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=group > 1)
             else:
                 mask = causal_mask(q_len, s_len, q.device)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-            out[starts[i] : starts[i] + q_len] = oi.transpose(0, 1)
+            out[starts[i] : starts[i] + q_len] = oi[0].transpose(0, 1)
 
     def _kernel(self, q, k_cache, v_cache, out, meta, scale, b, e) -> None:
         """The C++ kernel over sequences ``[b, e)`` of the batch."""

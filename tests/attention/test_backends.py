@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.attention import ALL_BACKENDS, BACKENDS, get_backend
 from pagedllm.attention.reference import ReferenceBackend
-from pagedllm.bench.attention import make_random_batch
+from pagedllm.bench.attention import make_random_batch, run_backend
 
 HAS_CUDA_TRITON = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
@@ -101,6 +101,44 @@ def test_cpu_q_tiles(cpu_backend):
     for tile in (1, 7, 64):
         _check(CpuBackend(q_tile=tile), [1, 50], [300, 50], atol=1e-5)
     _check(CpuBackend(sdpa_prefill_min_len=16), [1, 8, 50], [300, 20, 50], atol=1e-5)
+
+
+def _flash_calls(fn) -> int:
+    """How many times ``fn`` ran torch's fused CPU flash SDPA kernel."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu")
+
+
+def test_cpu_long_prefill_chunks_over_a_bf16_pool_run_flash_sdpa_in_bf16(cpu_backend):
+    """Over a bf16 pool long prefill chunks (fresh, and after a cached prefix) go through torch's flash SDPA in
+    bf16, decodes and short chunks through the kernel, all in one step; the result is the reference's to bf16
+    rounding of the queries. An fp32 pool (the exact path) keeps every chunk in the kernel."""
+    from pagedllm.attention import cpu
+
+    backend = cpu.CpuBackend()
+    backend.bf16_sdpa = True  # the rule, on any CPU (native bf16 only decides whether it is on by default)
+    ql, sl = [1, 1, 40, 300, 256], [700, 30, 40, 300, 512]  # decodes, a short chunk, a fresh prompt, a later chunk
+    b = make_random_batch(ql, sl, block_size=16, cache_dtype=torch.bfloat16)
+    assert backend._sdpa_seqs(b.meta, backend._sdpa_mode(b.k_cache)) == [False, False, False, True, True]
+    _check(backend, ql, sl, atol=2e-2, cache_dtype=torch.bfloat16)
+    assert _flash_calls(lambda: run_backend(backend, b)) == 2
+    # a step without a long chunk: the one-call fused path, no SDPA
+    d = make_random_batch([1, 1, 12], [64, 900, 12], block_size=16, cache_dtype=torch.bfloat16)
+    qkv = torch.cat([d.q.flatten(1), d.k.flatten(1), d.v.flatten(1)], 1)
+    assert _flash_calls(lambda: backend.forward_qkv(qkv, 9, d.k_cache.clone(), d.v_cache.clone(), d.meta,
+                                                    d.scale)) == 0
+    f = make_random_batch(ql, sl, block_size=16)
+    assert _flash_calls(lambda: run_backend(backend, f)) == 0
+    _check(backend, ql, sl, atol=1e-5)
+
+
+def test_cpu_sdpa_prefill_takes_torch_flash_kernel(cpu_backend):
+    """The SDPA path hands torch 4-d inputs: 3-d ones fall back to its unfused math path, ~10x slower."""
+    from pagedllm.attention.cpu import CpuBackend
+
+    b = make_random_batch([1, 64, 64], [90, 64, 200], block_size=16)
+    assert _flash_calls(lambda: run_backend(CpuBackend(sdpa_prefill_min_len=16), b)) == 2
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
