@@ -68,6 +68,25 @@ def test_vllm_launch_line_and_environment(monkeypatch):
     assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) <= 2
 
 
+def test_our_server_runs_the_dtype_as_given_and_vllm_the_one_it_resolves_to(tmp_path, monkeypatch):
+    """As in bench throughput: ``--dtype auto`` gives our server ``auto`` (what our engine picks for it) and vLLM
+    the resolved dtype; the report names what ours computes in."""
+    from pagedllm.bench.cli import build_parser
+    from pagedllm.config.device import cpu_has_native_bf16
+
+    launched = []
+    monkeypatch.setattr(serve_vllm, "launch", lambda cmd, *a, **k: (launched.append(cmd), (None, "fake"))[1])
+    args = build_parser().parse_args(["serve", "--baselines", "vllm", "--dtype", "auto", "--out", str(tmp_path)])
+    args.engine_args = {}
+    for system in (OURS, VLLM):
+        assert serve_vllm.start(system, args, "bfloat16", "/opt/venv/bin/python")[:2] == (None, "fake")
+    dtypes = [cmd[cmd.index("--dtype") + 1] for cmd in launched]
+    assert dtypes == ["auto", "bfloat16"]
+    assert serve_vllm.ours_format(args) == ("gguf-bf16" if cpu_has_native_bf16() else "gguf")
+    args.dtype, args.engine_args = "float32", {"quantization": "none"}
+    assert serve_vllm.ours_format(args) == "fp32"
+
+
 def test_rounds_alternate_which_server_goes_first(tmp_path, monkeypatch):
     from pagedllm.bench import baselines
     from pagedllm.bench.cli import build_parser
@@ -99,12 +118,13 @@ def test_report_means_rounds_and_divides_ours_by_vllms():
             _run(VLLM, 2.0, 1, 200.0, 100.0), _run(OURS, 2.0, 1, 340.0, 50.0),
             {"system": VLLM, "round": 2, "skipped": "server exited with code 1"}]
     cfg = {"num_requests": 4, "rates": [2.0], "rounds": 2, "prompt_len": (32, 512), "output_len": (16, 256)}
-    rep = serve_vllm.report(runs, cfg, "float32", None)
+    rep = serve_vllm.report(runs, cfg, "float32", None, "--dtype float32: gguf")
     assert rep.result["mean"][OURS]["2.0"]["tok_s"] == 320.0
     assert rep.result["mean"][VLLM]["2.0"]["completed"] == 8
     assert rep.result["ratios"]["2.0"]["tok_s"] == 1.6
     assert rep.result["ratios"]["2.0"]["ttft_p50"] == 0.5  # 75 ms vs 150 ms
     assert any("round 2: not run: server exited" in n for n in rep.notes)
+    assert any("vLLM dtype float32, ours --dtype float32: gguf" in n for n in rep.notes)
     assert [t.title for t in rep.tables][1].startswith("pagedllm / vLLM")
 
 
