@@ -106,7 +106,7 @@ def test_utilization_out_of_range_is_refused(value):
 def test_gpu_defaults_serve_and_the_cpu_keeps_its_own(monkeypatch):
     gpu, cpu = EngineArgs(device="cuda:0"), EngineArgs(device="cpu")
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.block_size) == (256, 8192, 16)
-    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.block_size) == (64, 1024, 128)  # vLLM's CPU block
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.block_size) == (64, 2048, 128)  # vLLM's CPU block
     assert EngineArgs(device="cuda", max_num_seqs=8).max_num_seqs == 8
     assert EngineArgs(device="cpu", block_size=32).block_size == 32
     with pytest.raises(ValueError, match="block_size must be a power of two"):
