@@ -248,7 +248,12 @@ class ModelRunner:
         num_tokens = batch.num_tokens[brow_t]
         penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
         hist = batch.token_ids[brow_t, : int(num_tokens.max())] if penalised else batch.token_ids[:0]
-        result = self.sampler(logits.index_select(0, torch.tensor(sample_rows, device=logits.device)),
+        # every row once, in order (a decode step without beams or parallel samples): the logits themselves, not a
+        # [rows, vocab] copy (6 ms a step at 64 rows of SmolLM2's 49152 on a 2-core Xeon; the sampler never writes
+        # its input)
+        picked = logits if sample_rows == list(range(logits.shape[0])) else logits.index_select(
+            0, torch.tensor(sample_rows, device=logits.device))
+        result = self.sampler(picked,
                               SamplingBatch(params, torch.tensor(keys, dtype=torch.int64), hist,
                                             batch.num_prompt[brow_t], num_tokens))
         tokens, chosen = (t.tolist() for t in to_host(result.token_ids, result.logprobs))

@@ -155,6 +155,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        """One token per row of ``logits`` (never written: the model runner passes the step's own)."""
         params = batch.params
         dev = logits.device
         logits = logits.float().clone() if any(p.logit_bias for p in params) else logits.float()

@@ -49,6 +49,18 @@ def test_no_host_sync_with_every_setting():
     assert out.top_ids.shape == (3, 5)
 
 
+def test_the_sampler_never_writes_its_logits():
+    """The model runner hands the step's logits themselves to the sampler when every row is sampled once, in order
+    (no copy): every setting leaves them as they were."""
+    params = [SamplingParams(temperature=0, logit_bias={1: 5.0}, min_tokens=9, stop_token_ids=[4]),
+              SamplingParams(temperature=0.7, top_k=3, top_p=0.8, min_p=0.1, seed=3, repetition_penalty=1.5,
+                             presence_penalty=0.5, frequency_penalty=0.3, logprobs=2)]
+    logits, batch = _batch(params)
+    before = logits.clone()
+    Sampler([2])(logits, batch)
+    assert torch.equal(logits, before)
+
+
 def test_min_tokens_bans_stop_tokens_until_reached():
     params = [SamplingParams(temperature=0, min_tokens=10, stop_token_ids=[9]),
               SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[9])]
