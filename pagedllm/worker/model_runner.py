@@ -41,6 +41,19 @@ class ModelRunner:
         self.lora = lora  # issue 32: the adapters' slots (None: LoRA off)
         self._deferred: DeferredOutput | None = None  # the last step, answered before its ids reached the host
         self._pending: tuple[list[int], list[int], torch.Tensor] | None = None  # its rows, positions, ids (device)
+        self._logits: torch.Tensor | None = None  # CPU: the steps' float32 logits, written in place (_logits_buffer)
+
+    def _logits_buffer(self, rows: int, device: torch.device) -> torch.Tensor | None:
+        """On the CPU, a float32 ``[>= rows, vocab]`` buffer for this step's logits, kept for the next steps: a fresh
+        one page-faults every step (see ``LlamaForCausalLM.compute_logits``). Each step's logits are used up within
+        the step (samples, logprobs, drafts' checks and grammar masks all read them before it returns). None on
+        an accelerator, whose caching allocator already reuses the memory."""
+        if device.type != "cpu":
+            return None
+        vocab = self.forward_pass.model.config.vocab_size
+        if self._logits is None or self._logits.shape[0] < rows:
+            self._logits = torch.empty(max(rows, 64), vocab)
+        return self._logits
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | DeferredOutput:
@@ -176,7 +189,7 @@ class ModelRunner:
         # logits stay on the device: sampling runs there, and only ids and asked-for logprobs come back
         dev = hidden.device
         logits = self.forward_pass.model.compute_logits(hidden.index_select(
-            0, torch.tensor(last_rows, dtype=torch.int64, device=dev)))
+            0, torch.tensor(last_rows, dtype=torch.int64, device=dev)), self._logits_buffer(len(last_rows), dev))
         for i, first, n in prompt_spans:
             s = so.scheduled[i]
             row = rows[i]

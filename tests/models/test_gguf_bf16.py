@@ -130,6 +130,40 @@ def test_gguf_bf16_decode_rows_read_the_exact_blocks(ckpt):
     assert torch.equal(mixed.compute_logits(rows), F.linear(rows.bfloat16(), exact.lm_head.dequantize().bfloat16()).float())
 
 
+def test_lm_head_writes_a_reused_buffer_with_the_same_logits(ckpt):
+    """``compute_logits(h, out)`` widens the bf16 head's result into the caller's buffer (no fresh float32 tensor a
+    step): the same values, in its first rows. Below BF16_MIN_ROWS (the exact fp32 blocks) the buffer is not
+    needed and fresh logits come back."""
+    model = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, "gguf-bf16")
+    buf = torch.full((64, model.config.vocab_size), float("nan"))
+    rows = torch.randn(BF16_MIN_ROWS + 3, model.config.hidden_size)
+    got = model.compute_logits(rows, buf)
+    assert got.data_ptr() == buf.data_ptr() and got.dtype == torch.float32
+    assert torch.equal(got, model.compute_logits(rows)) and torch.isnan(buf[len(rows):]).all()
+    one = torch.randn(1, model.config.hidden_size)
+    assert torch.equal(model.compute_logits(one, buf), model.compute_logits(one))
+    assert model.compute_logits(one, buf).data_ptr() != buf.data_ptr()
+
+
+def test_model_runner_keeps_one_logits_buffer_across_steps(monkeypatch):
+    """The engine's steps write their logits into one buffer, grown only when a step has more rows, and generate
+    what they generated with fresh logits every step."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.worker import model_runner
+
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [f"Item {i}: the history of paged memory" for i in range(BF16_MIN_ROWS + 2)]
+    llm = LLM(quantization="gguf-bf16", num_blocks=64, block_size=16)
+    runner = llm.engine.core.executor.worker.model_runner
+    ptrs = set()
+    make = runner._logits_buffer
+    monkeypatch.setattr(runner, "_logits_buffer", lambda n, dev: ptrs.add(make(n, dev).data_ptr()) or make(n, dev))
+    reused = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert len(ptrs) == 1
+    monkeypatch.setattr(runner, "_logits_buffer", lambda n, dev: None)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == reused
+
+
 def test_gguf_bf16_layers_hand_bf16_between_gemms_with_the_same_bits(ckpt, monkeypatch):
     """From BF16_MIN_ROWS rows the norms and the activation write bf16 for the bf16 GEMMs and the GEMMs' bf16 results
     are read as they are (``LlamaDecoderLayer._bf16_inputs``): the logits equal those of casting at every GEMM."""

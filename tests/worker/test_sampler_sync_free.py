@@ -141,7 +141,7 @@ def test_step_logits_stay_on_the_device_and_only_results_come_back(tiny_model_di
         if trap:
             model = llm.engine.core.executor.worker.model_runner.forward_pass.model
             make = model.compute_logits
-            monkeypatch.setattr(model, "compute_logits", lambda h: make(h).as_subclass(DeviceTrap))
+            monkeypatch.setattr(model, "compute_logits", lambda h, out=None: make(h, out).as_subclass(DeviceTrap))
         res = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.kv.stats()["used"] == 0
         return [([o.token_ids for o in r.outputs], [o.finish_reason for o in r.outputs],
