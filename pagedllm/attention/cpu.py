@@ -77,17 +77,24 @@ class CpuBackend:
             return "bf16"
         return None
 
-    def _sdpa_seqs(self, meta: AttentionMetadata, mode: str | None) -> list[bool]:
-        """Per sequence, whether it goes through SDPA (worked out once per step, not per layer)."""
-        key = ("cpu_sdpa", mode)
+    def _runs(self, meta: AttentionMetadata, mode: str | None) -> list[tuple[int, int, bool]]:
+        """The step's sequences as runs ``(begin, end, sdpa)``: consecutive kernel sequences go in one call, SDPA
+        ones one by one (worked out once per step, not per layer)."""
+        key = ("cpu_sdpa_runs", mode)
         if key not in meta.extra:
             if mode is None:
-                meta.extra[key] = [False] * meta.num_seqs
+                use = [False] * meta.num_seqs
             elif mode == "bf16":
-                meta.extra[key] = [q >= BF16_SDPA_MIN_LEN and q * s >= BF16_SDPA_MIN_PAIRS
-                                   for q, s in zip(meta.query_lens_list, meta.seq_lens_list)]
+                use = [q >= BF16_SDPA_MIN_LEN and q * s >= BF16_SDPA_MIN_PAIRS
+                       for q, s in zip(meta.query_lens_list, meta.seq_lens_list)]
             else:
-                meta.extra[key] = [q >= self.sdpa_prefill_min_len for q in meta.query_lens_list]
+                use = [q >= self.sdpa_prefill_min_len for q in meta.query_lens_list]
+            runs, b = [], 0
+            for e in range(1, meta.num_seqs + 1):
+                if e == meta.num_seqs or use[e] != use[b]:
+                    runs.append((b, e, use[b]))
+                    b = e
+            meta.extra[key] = runs
         return meta.extra[key]
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -100,18 +107,12 @@ class CpuBackend:
             q = q.contiguous()
         out = torch.empty_like(q)
         mode = self._sdpa_mode(k_cache)
-        use = self._sdpa_seqs(meta, mode)
-        b = 0
-        while b < meta.num_seqs:  # runs of kernel sequences in one call each, SDPA ones one by one
-            e = b + 1
-            while e < meta.num_seqs and use[e] == use[b]:
-                e += 1
-            if use[b]:
+        for b, e, sdpa in self._runs(meta, mode):
+            if sdpa:
                 dtype = torch.bfloat16 if mode == "bf16" else q.dtype
                 self._sdpa_chunks(q, k_cache, v_cache, out, meta, scale, b, e, dtype)
             else:
                 self._kernel(q, k_cache, v_cache, out, meta, scale, b, e)
-            b = e
         return out
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, k_cache, v_cache, meta: AttentionMetadata,
@@ -119,7 +120,8 @@ class CpuBackend:
         """Attention straight from the fused projection output ``qkv [T, (H + 2 Hkv) D]`` (rope applied):
         one C++ call (write K/V, attend) returning ``[T, H * D]``; at batch 1 the views and separate calls
         of :meth:`forward` cost as much as the attention. Steps with a prefill chunk for SDPA take that path."""
-        if any(self._sdpa_seqs(meta, self._sdpa_mode(k_cache))) or qkv.dim() != 2 or qkv.stride(1) != 1:
+        sdpa = any(run[2] for run in self._runs(meta, self._sdpa_mode(k_cache)))
+        if sdpa or qkv.dim() != 2 or qkv.stride(1) != 1:
             T, D = qkv.shape[0], k_cache.shape[2]
             Hkv = k_cache.shape[0]
             q = qkv[:, : num_heads * D].view(T, num_heads, D)

@@ -101,6 +101,11 @@ def test_cpu_q_tiles(cpu_backend):
     for tile in (1, 7, 64):
         _check(CpuBackend(q_tile=tile), [1, 50], [300, 50], atol=1e-5)
     _check(CpuBackend(sdpa_prefill_min_len=16), [1, 8, 50], [300, 20, 50], atol=1e-5)
+    # a short chunk after the long ones: kernel, SDPA, kernel again in one step
+    ql, sl = CASES["mixed"]
+    backend = CpuBackend(sdpa_prefill_min_len=16)
+    assert backend._runs(make_random_batch(ql, sl).meta, "query") == [(0, 3, False), (3, 5, True), (5, 6, False)]
+    _check(backend, ql, sl, atol=1e-5)
 
 
 def _flash_calls(fn) -> int:
@@ -120,7 +125,7 @@ def test_cpu_long_prefill_chunks_over_a_bf16_pool_run_flash_sdpa_in_bf16(cpu_bac
     backend.bf16_sdpa = True  # the rule, on any CPU (native bf16 only decides whether it is on by default)
     ql, sl = [1, 1, 40, 300, 256], [700, 30, 40, 300, 512]  # decodes, a short chunk, a fresh prompt, a later chunk
     b = make_random_batch(ql, sl, block_size=16, cache_dtype=torch.bfloat16)
-    assert backend._sdpa_seqs(b.meta, backend._sdpa_mode(b.k_cache)) == [False, False, False, True, True]
+    assert backend._runs(b.meta, backend._sdpa_mode(b.k_cache)) == [(0, 3, False), (3, 5, True)]
     _check(backend, ql, sl, atol=2e-2, cache_dtype=torch.bfloat16)
     assert _flash_calls(lambda: run_backend(backend, b)) == 2
     # a step without a long chunk: the one-call fused path, no SDPA
