@@ -110,22 +110,16 @@ def vllm_server_env(py: str, threads: int) -> dict[str, str]:
 def ours_format(args) -> str:
     """What our server computes in under ``args.dtype`` and ``--engine quantization`` (a roofline format name,
     resolved as the worker and the model resolve it)."""
-    import torch
-
     from pagedllm.bench.roofline import format_of
     from pagedllm.config.args import EngineArgs
     from pagedllm.config.device import DeviceConfig
     from pagedllm.models.loader import has_gguf_blocks
-    from pagedllm.models.quant import kernel_available
+    from pagedllm.models.quant import kernel_available, resolve_auto
 
-    blocks = has_gguf_blocks() and kernel_available()
-    r = DeviceConfig.from_args(EngineArgs(dtype=args.dtype, quantization=str(args.engine_args.get("quantization",
-                                                                                                 "auto")),
-                                          device="cpu"), gguf_blocks=lambda: blocks)
-    q = r.quantization
-    if q == "auto":
-        q = "gguf" if blocks and r.dtype == torch.float32 else "none"
-    return format_of(r.dtype, q)
+    blocks = has_gguf_blocks()
+    asked = EngineArgs(dtype=args.dtype, quantization=str(args.engine_args.get("quantization", "auto")), device="cpu")
+    r = DeviceConfig.from_args(asked, gguf_blocks=lambda: blocks and kernel_available())
+    return format_of(r.dtype, resolve_auto(r.quantization, blocks, r.dtype))
 
 
 def start(system: str, args, dtype: str, vllm_py: str | None):

@@ -22,7 +22,8 @@ from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.models.decode_layer import decode_layer, fused_layer_applies
 from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear, rms_norm,
                                     rope_cos_sin, silu_mul)
-from pagedllm.models.quant import MATRICES, QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks
+from pagedllm.models.quant import (MATRICES, QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks,
+                                   resolve_auto)
 
 if TYPE_CHECKING:
     from pagedllm.distributed.parallel_state import TPGroup
@@ -163,9 +164,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
         model = cls(ckpt.config, dtype=dtype)
         model.load_hf_state_dict(ckpt.state_dict)
-        if quantization == "auto":
-            usable = ckpt.blocks_path is not None and model.act_dtype == torch.float32 and kernel_available()
-            quantization = "gguf" if usable else "none"
+        quantization = resolve_auto(quantization, ckpt.blocks_path is not None, model.act_dtype)
         if quantization in ("gguf", "gguf-a8", "gguf-bf16"):
             if ckpt.blocks_path is None:
                 raise ValueError(f"quantization={quantization!r} needs a GGUF checkpoint with Q4_1/Q8_0 matrices; "

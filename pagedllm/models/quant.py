@@ -162,6 +162,14 @@ def kernel_available(int8_activations: bool = False) -> bool:
     return ops.load("quant_a8" if int8_activations else "gemm")
 
 
+def resolve_auto(quantization: str, has_blocks: bool, act_dtype: torch.dtype) -> str:
+    """``quantization`` with ``auto`` made concrete: ``gguf`` where the model has block matrices, activations are
+    fp32 and the block kernel builds here; else ``none``."""
+    if quantization != "auto":
+        return quantization
+    return "gguf" if has_blocks and act_dtype == torch.float32 and kernel_available() else "none"
+
+
 def require_kernel() -> None:
     """RuntimeError with the way out when the block kernel can't be built."""
     if not ops.load("gemm"):

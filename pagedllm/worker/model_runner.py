@@ -52,7 +52,7 @@ class ModelRunner:
             return None
         vocab = self.forward_pass.model.config.vocab_size
         if self._logits is None or self._logits.shape[0] < rows:
-            self._logits = torch.empty(max(rows, 64), vocab)
+            self._logits = torch.empty(rows, vocab)
         return self._logits
 
     @torch.inference_mode()
