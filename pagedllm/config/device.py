@@ -28,15 +28,25 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags from /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 GEMMs run natively (faster than fp32); without them they are
     emulated and several times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_amx_bf16() -> bool:
+    """AMX tiles with bf16 (Sapphire Rapids and later Xeons)."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def resolve_device(name: str) -> torch.device:

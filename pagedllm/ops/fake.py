@@ -138,3 +138,14 @@ for _kernel, _ops in _FAKES.items():  # libraries loaded before this module was 
 @_fake("lora_bgmv", "lora_bgmv")
 def _lora_bgmv(y, x, a, bs, los, slots) -> None:
     return None
+
+
+@_fake("amx_gemm", "amx_pack_bf16")
+def _amx_pack_bf16(w) -> torch.Tensor:
+    N, K = w.shape
+    return w.new_empty(((N + 15) // 16, (K + 31) // 32, 16, 32))
+
+
+@_fake("amx_gemm", "amx_linear_bf16")
+def _amx_linear_bf16(x, packed, N) -> torch.Tensor:
+    return x.new_empty((x.shape[0], N))

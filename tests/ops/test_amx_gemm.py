@@ -1,0 +1,66 @@
+"""The AMX bf16 GEMM (``ops/csrc/amx_gemm.cpp``) and where ``bf16_linear`` takes it: it computes the bf16 product
+of fp32 arithmetic on bf16 inputs, rounded to bf16, for every padding case (N not a multiple of 16, K not of 32,
+1-64 rows); on AMX CPUs decode-sized GEMMs of packed matrices go to it, larger ones to oneDNN; elsewhere no matrix
+gets the copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import ops
+from pagedllm.models import bf16_gemm
+from pagedllm.models.bf16_gemm import AMX_MAX_ROWS, PackedBF16, amx_bf16_available, bf16_linear
+
+pytestmark = pytest.mark.skipif(not ops.load("amx_gemm"), reason="no C++ compiler")
+
+SHAPES = [(1, 64, 48), (5, 96, 64), (16, 576, 960), (17, 70, 100), (32, 1536, 576), (33, 40, 33), (64, 576, 3072)]
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_amx_linear_is_the_bf16_product_rounded_once(M, K, N):
+    """On the tiles where there are some, through ATen on the unpacked matrix elsewhere: the same product."""
+    gen = torch.Generator().manual_seed(M * 1000 + N)
+    w, x = torch.randn(N, K, generator=gen).bfloat16(), torch.randn(M, K, generator=gen).bfloat16()
+    y = torch.ops.pagedllm.amx_linear_bf16(x, torch.ops.pagedllm.amx_pack_bf16(w), N)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    exact = x.double() @ w.double().T  # bf16 products are exact; only fp32 sums and the final rounding differ
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -8, atol=1e-4 * K ** 0.5)
+    assert torch.equal(y[:1], torch.ops.pagedllm.amx_linear_bf16(x[:1], torch.ops.pagedllm.amx_pack_bf16(w), N))
+
+
+def test_amx_linear_refuses_what_it_was_not_packed_for():
+    p = torch.ops.pagedllm.amx_pack_bf16(torch.zeros(48, 64, dtype=torch.bfloat16))
+    assert p.shape == (3, 2, 16, 32)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        torch.ops.pagedllm.amx_linear_bf16(torch.zeros(65, 64, dtype=torch.bfloat16), p, 48)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.pagedllm.amx_linear_bf16(torch.zeros(2, 96, dtype=torch.bfloat16), p, 48)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.pagedllm.amx_linear_bf16(torch.zeros(2, 64), p, 48)
+
+
+def test_bf16_linear_takes_the_amx_copy_for_decode_rows_only(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(80, 64, generator=gen)
+    p = PackedBF16.of(w)
+    assert (p.amx is not None) == amx_bf16_available()
+    if p.amx is None:
+        return
+    calls = []
+    real = torch.ops.pagedllm.amx_linear_bf16
+    monkeypatch.setattr(bf16_gemm.torch.ops.pagedllm, "amx_linear_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 200):
+        x = torch.randn(rows, 64, generator=gen)
+        ref = torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
+        torch.testing.assert_close(bf16_linear(x, p), ref, rtol=2 ** -7, atol=1e-3)
+    assert calls == [1, AMX_MAX_ROWS]
+
+
+def test_amx_copy_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_AMX_GEMM", "0")
+    amx_bf16_available.cache_clear()
+    try:
+        assert not amx_bf16_available() and PackedBF16.of(torch.ones(16, 32)).amx is None
+    finally:
+        amx_bf16_available.cache_clear()
