@@ -188,9 +188,102 @@ inline void scores_rows16(const float* Q, const T* const* K, const float* kmul, 
   }
 }
 
+// bf16 rows at head_dim 32 / 64, 32 dims per 64-byte load: the even dims are the load shifted left 16 bits and the
+// odd dims the load with its low halves cleared, no cross-lane shuffle. Widening 16 dims at a time took a vpmovzxwd
+// (the shuffle port, which AVX-512 FMAs share) and a shift per 16 dims; this takes a shift or an and per 16, so the
+// score and P@V loops spend half the non-FMA uops on the FMA ports. q and the P@V accumulators are put in the same
+// even / odd order once per call (two permutes per 32 dims), and the accumulators back on the way out.
+inline void widen_pairs(const at::BFloat16* p, __m512& even, __m512& odd) {
+  const __m512i x = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline void split_pairs(const float* p, __m512& even, __m512& odd) {
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+  even = _mm512_permutex2var_ps(a, ev, b);
+  odd = _mm512_permutex2var_ps(a, od, b);
+}
+inline void join_pairs(__m512 even, __m512 odd, float* p) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, lo, odd));
+  _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(even, hi, odd));
+}
+
+// scores_rows16 for bf16 rows, G = D / 32 groups of 32 dims (G <= 2: q in 4 G NR registers)
+template <int NR, int G>
+inline void scores_rows_bf16(const float* Q, const at::BFloat16* const* K, int64_t n, int64_t D, float scale,
+                             float* S, PrefetchQueue* pf) {
+  const __m128 sc = _mm_set1_ps(scale);
+  __m512 qe[NR][G], qo[NR][G];
+  for (int i = 0; i < NR; ++i)
+    for (int g = 0; g < G; ++g) split_pairs(Q + i * D + 32 * g, qe[i][g], qo[i][g]);
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    if (pf) pf->issue(pf->per_scores);
+    __m512 a[NR][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m512 e, od;
+        widen_pairs(K[o + j] + 32 * g, e, od);
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) a[i][j] = _mm512_fmadd_ps(qo[i][g], od, _mm512_fmadd_ps(qe[i][g], e, a[i][j]));
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(hsum4x16(a[i][0], a[i][1], a[i][2], a[i][3]), sc));
+  }
+  for (; o < n; ++o) {
+    __m512 a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      __m512 e, od;
+      widen_pairs(K[o] + 32 * g, e, od);
+      for (int i = 0; i < NR; ++i) a[i] = _mm512_fmadd_ps(qo[i][g], od, _mm512_fmadd_ps(qe[i][g], e, a[i]));
+    }
+    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = _mm512_reduce_add_ps(a[i]) * scale;
+  }
+}
+
+// pv_rows16 for bf16 rows over all D = 32 G dims (G <= 2: NR x 2 G accumulators)
+template <int NR, int G>
+inline void pv_rows_bf16(const float* P, const at::BFloat16* const* V, int64_t n, int64_t D, float* A,
+                         PrefetchQueue* pf) {
+  __m512 ce[NR][G], co[NR][G];
+  for (int i = 0; i < NR; ++i)
+    for (int g = 0; g < G; ++g) split_pairs(A + i * D + 32 * g, ce[i][g], co[i][g]);
+  for (int64_t o = 0; o < n; ++o) {
+    if (pf) pf->issue(pf->per_pv);
+    __m512 e[G], od[G];
+    for (int g = 0; g < G; ++g) widen_pairs(V[o] + 32 * g, e[g], od[g]);
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+      const __m512 w = _mm512_set1_ps(P[i * CHUNK + o]);
+      for (int g = 0; g < G; ++g) {
+        ce[i][g] = _mm512_fmadd_ps(w, e[g], ce[i][g]);
+        co[i][g] = _mm512_fmadd_ps(w, od[g], co[i][g]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int g = 0; g < G; ++g) join_pairs(ce[i][g], co[i][g], A + i * D + 32 * g);
+}
+
 template <int NR, typename T>
 inline void scores_cols16(const float* Q, const T* const* K, const float* kmul, int64_t n, int64_t D, float scale,
                           float* S, PrefetchQueue* pf) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (D == 64) return scores_rows_bf16<NR, 2>(Q, K, n, D, scale, S, pf);
+    if (D == 32) return scores_rows_bf16<NR, 1>(Q, K, n, D, scale, S, pf);
+  }
   switch (D) {
     case 64: return scores_rows16<NR, 4>(Q, K, kmul, n, D, scale, S, pf);
     case 48: return scores_rows16<NR, 3>(Q, K, kmul, n, D, scale, S, pf);
@@ -227,6 +320,10 @@ inline void pv_rows16(const float* P, const T* const* V, int64_t n, int64_t D, i
 
 template <int NR, typename T>
 inline void pv_cols16(const float* P, const T* const* V, int64_t n, int64_t D, float* A, PrefetchQueue* pf) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (D == 64) return pv_rows_bf16<NR, 2>(P, V, n, D, A, pf);
+    if (D == 32) return pv_rows_bf16<NR, 1>(P, V, n, D, A, pf);
+  }
   int64_t d = 0;
   for (; d + 64 <= D; d += 64, pf = nullptr) pv_rows16<NR, 4>(P, V, n, D, d, A, pf);
   switch ((D - d) / 16) {
