@@ -141,17 +141,13 @@ struct PrefetchQueue {
   }
 };
 
-// S rows r < NR (CHUNK apart) for keys [0, n): NR rows x 4 keys of accumulators in registers (NR = 3: 12 of the
-// 32), so each K vector (int8: converted once) feeds NR FMAs. D % 16 == 0; ND = D / 16 keeps the Q rows in
-// registers too (loads, not FMAs, bounded the loop with a Q operand from memory per FMA), ND = 0 reloads them.
-template <int NR, int ND, typename T>
-inline void scores_rows16(const float* Q, const T* const* K, const float* kmul, int64_t n, int64_t D, float scale,
-                          float* S, PrefetchQueue* pf) {
+// The score loop of every layout: NR rows x 4 keys of accumulators per step (each K vector feeds NR FMAs), summed
+// 4 keys at a time (hsum4x16); dot4(o, a) / dot1(o, a) add the products of keys o.. into them. kmul: a multiplier
+// per key (an int8 row's block scale), or null.
+template <int NR, typename Dot4, typename Dot1>
+inline void score_loop(int64_t n, float scale, const float* kmul, float* S, PrefetchQueue* pf, Dot4&& dot4,
+                       Dot1&& dot1) {
   const __m128 sc = _mm_set1_ps(scale);
-  __m512 qr[NR][ND > 0 ? ND : 1];
-  if constexpr (ND > 0)
-    for (int i = 0; i < NR; ++i)
-      for (int d = 0; d < ND; ++d) qr[i][d] = _mm512_loadu_ps(Q + i * D + 16 * d);
   int64_t o = 0;
   for (; o + 4 <= n; o += 4) {
     if (pf) pf->issue(pf->per_scores);
@@ -159,6 +155,32 @@ inline void scores_rows16(const float* Q, const T* const* K, const float* kmul, 
 #pragma GCC unroll 4
     for (int i = 0; i < NR; ++i)
       for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+    dot4(o, a);
+    const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(hsum4x16(a[i][0], a[i][1], a[i][2], a[i][3]), sk));
+  }
+  for (; o < n; ++o) {
+    __m512 a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+    dot1(o, a);
+    const float so = kmul ? scale * kmul[o] : scale;
+    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = _mm512_reduce_add_ps(a[i]) * so;
+  }
+}
+
+// S rows r < NR (CHUNK apart) for keys [0, n): NR rows x 4 keys of accumulators in registers (NR = 3: 12 of the
+// 32), so each K vector (int8: converted once) feeds NR FMAs. D % 16 == 0; ND = D / 16 keeps the Q rows in
+// registers too (loads, not FMAs, bounded the loop with a Q operand from memory per FMA), ND = 0 reloads them.
+template <int NR, int ND, typename T>
+inline void scores_rows16(const float* Q, const T* const* K, const float* kmul, int64_t n, int64_t D, float scale,
+                          float* S, PrefetchQueue* pf) {
+  __m512 qr[NR][ND > 0 ? ND : 1];
+  if constexpr (ND > 0)
+    for (int i = 0; i < NR; ++i)
+      for (int d = 0; d < ND; ++d) qr[i][d] = _mm512_loadu_ps(Q + i * D + 16 * d);
+  auto dot4 = [&](int64_t o, __m512 (&a)[NR][4]) {
     auto step = [&](int64_t d, auto&& qv) {
       const __m512 x[4] = {load16(K[o] + d), load16(K[o + 1] + d), load16(K[o + 2] + d), load16(K[o + 3] + d)};
 #pragma GCC unroll 4
@@ -171,21 +193,14 @@ inline void scores_rows16(const float* Q, const T* const* K, const float* kmul, 
     } else {
       for (int64_t d = 0; d < D; d += 16) step(d, [&](int i) { return _mm512_loadu_ps(Q + i * D + d); });
     }
-    const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i)
-      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(hsum4x16(a[i][0], a[i][1], a[i][2], a[i][3]), sk));
-  }
-  for (; o < n; ++o) {
-    __m512 a[NR];
-    for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+  };
+  auto dot1 = [&](int64_t o, __m512 (&a)[NR]) {
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 x = load16(K[o] + d);
       for (int i = 0; i < NR; ++i) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(Q + i * D + d), x, a[i]);
     }
-    const float so = kmul ? scale * kmul[o] : scale;
-    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = _mm512_reduce_add_ps(a[i]) * so;
-  }
+  };
+  score_loop<NR>(n, scale, kmul, S, pf, dot4, dot1);
 }
 
 // bf16 rows at head_dim 32 / 64, 32 dims per 64-byte load: the even dims are the load shifted left 16 bits and the
@@ -216,17 +231,10 @@ inline void join_pairs(__m512 even, __m512 odd, float* p) {
 template <int NR, int G>
 inline void scores_rows_bf16(const float* Q, const at::BFloat16* const* K, int64_t n, int64_t D, float scale,
                              float* S, PrefetchQueue* pf) {
-  const __m128 sc = _mm_set1_ps(scale);
   __m512 qe[NR][G], qo[NR][G];
   for (int i = 0; i < NR; ++i)
     for (int g = 0; g < G; ++g) split_pairs(Q + i * D + 32 * g, qe[i][g], qo[i][g]);
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    if (pf) pf->issue(pf->per_scores);
-    __m512 a[NR][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+  auto dot4 = [&](int64_t o, __m512 (&a)[NR][4]) {
 #pragma GCC unroll 2
     for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 4
@@ -237,20 +245,15 @@ inline void scores_rows_bf16(const float* Q, const at::BFloat16* const* K, int64
         for (int i = 0; i < NR; ++i) a[i][j] = _mm512_fmadd_ps(qo[i][g], od, _mm512_fmadd_ps(qe[i][g], e, a[i][j]));
       }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i)
-      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(hsum4x16(a[i][0], a[i][1], a[i][2], a[i][3]), sc));
-  }
-  for (; o < n; ++o) {
-    __m512 a[NR];
-    for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
+  };
+  auto dot1 = [&](int64_t o, __m512 (&a)[NR]) {
     for (int g = 0; g < G; ++g) {
       __m512 e, od;
       widen_pairs(K[o] + 32 * g, e, od);
       for (int i = 0; i < NR; ++i) a[i] = _mm512_fmadd_ps(qo[i][g], od, _mm512_fmadd_ps(qe[i][g], e, a[i]));
     }
-    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = _mm512_reduce_add_ps(a[i]) * scale;
-  }
+  };
+  score_loop<NR>(n, scale, static_cast<const float*>(nullptr), S, pf, dot4, dot1);
 }
 
 // pv_rows16 for bf16 rows over all D = 32 G dims (G <= 2: NR x 2 G accumulators)
