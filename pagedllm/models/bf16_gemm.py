@@ -20,9 +20,8 @@ input, the product accumulates in fp32 inside oneDNN, and its bf16 output comes 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
