@@ -104,6 +104,17 @@ struct Scales {
 
 constexpr int64_t CHUNK = 64;
 
+// The next chunk's K/V lines, issued a few at a time from inside the score and P@V loops (see run_items; only
+// AVX-512 builds fill it).
+constexpr int PF_LINES = 2048;  // a chunk's K and V rows of up to 1 KB each (fp32 at head_dim 256)
+struct PrefetchQueue {
+  const char* line[PF_LINES];
+  int n = 0, i = 0, per_scores = 0, per_pv = 0;  // lines per 4-key score step / per P@V key
+  inline void issue(int k) {
+    for (; k > 0 && i < n; --k) __builtin_prefetch(line[i++], 0, 3);
+  }
+};
+
 // K/V row elements as floats: fp32 rows as they are, int8 codes unscaled (their block's scale multiplies the
 // dot product / the softmax weight instead, so an int8 row is converted in registers, never stored as floats).
 inline float elem(const float* p, int64_t d) { return p[d]; }
@@ -130,16 +141,6 @@ inline __m128 hsum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4,
                                                                         8, 12), u));
 }
-
-// The next chunk's K/V lines, issued a few at a time from inside the score and P@V loops (see run_items).
-constexpr int PF_LINES = 2048;  // a chunk's K and V rows of up to 1 KB each (fp32 at head_dim 256)
-struct PrefetchQueue {
-  const char* line[PF_LINES];
-  int n = 0, i = 0, per_scores = 0, per_pv = 0;  // lines per 4-key score step / per P@V key
-  inline void issue(int k) {
-    for (; k > 0 && i < n; --k) __builtin_prefetch(line[i++], 0, 3);
-  }
-};
 
 // The score loop of every layout: NR rows x 4 keys of accumulators per step (each K vector feeds NR FMAs), summed
 // 4 keys at a time (hsum4x16); dot4(o, a) / dot1(o, a) add the products of keys o.. into them. kmul: a multiplier
