@@ -44,22 +44,21 @@ bool amx_usable() {
 #endif
 }
 
+// where W[n][k] sits in the packing (see the header): tile (n / 16, k / 32), row (k % 32) / 2, pair n % 16, half k % 2
+inline int64_t packed_index(int64_t n, int64_t k, int64_t Kb) {
+  return ((n / TN) * Kb + k / TK) * 16 * 32 + ((k % TK) / 2) * 32 + (n % TN) * 2 + (k % 2);
+}
+
 torch::Tensor amx_pack_bf16(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "amx_pack_bf16: w must be a 2-d bf16 matrix");
-  const int64_t N = w.size(0), K = w.size(1), Nb = (N + TN - 1) / TN, Kb = (K + TK - 1) / TK;
+  const int64_t N = w.size(0), K = w.size(1), Kb = (K + TK - 1) / TK;
   auto wc = w.contiguous();
-  auto out = torch::zeros({Nb, Kb, 16, 32}, w.options());
+  auto out = torch::zeros({(N + TN - 1) / TN, Kb, 16, 32}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, Nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t kb = 0; kb < Kb; ++kb)
-        for (int64_t n = 0; n < std::min(TN, N - nb * TN); ++n) {
-          uint16_t* tile = dst + (nb * Kb + kb) * 16 * 32;
-          const uint16_t* row = src + (nb * TN + n) * K;
-          for (int64_t k = kb * TK; k < std::min(K, kb * TK + TK); ++k)
-            tile[((k - kb * TK) / 2) * 32 + n * 2 + (k % 2)] = row[k];
-        }
+  at::parallel_for(0, N, TN, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[packed_index(n, k, Kb)] = src[n * K + k];
   });
   return out;
 }
@@ -71,8 +70,7 @@ torch::Tensor amx_unpack_bf16(const torch::Tensor& packed, int64_t N, int64_t K)
   const uint16_t* src = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k)
-      dst[n * K + k] = src[((n / TN) * Kb + k / TK) * 16 * 32 + ((k % TK) / 2) * 32 + (n % TN) * 2 + (k % 2)];
+    for (int64_t k = 0; k < K; ++k) dst[n * K + k] = src[packed_index(n, k, Kb)];
   return w;
 }
 
