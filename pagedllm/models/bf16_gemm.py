@@ -50,7 +50,7 @@ def onednn_bf16_available() -> bool:
 def amx_bf16_available() -> bool:
     """Whether matrices get the AMX copy: an AMX bf16 CPU, kernels built for it (``-march=native``), not turned off.
     (Where the tiles turn out unusable after all, the op computes the same product through ATen.)"""
-    if os.environ.get("PAGEDLLM_AMX_GEMM") == "0" or os.environ.get("PAGEDLLM_NO_MARCH_NATIVE") == "1":
+    if os.environ.get("PAGEDLLM_AMX_GEMM") == "0" or not ops.native.builds_native():
         return False
     return cpu_has_amx_bf16() and ops.load("amx_gemm")
 

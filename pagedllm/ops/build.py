@@ -55,6 +55,11 @@ def _flags() -> list[str]:
     return flags
 
 
+def builds_native() -> bool:
+    """Whether kernels are compiled for this CPU's own ISA (``-march=native``), so its AVX-512 / AMX paths exist."""
+    return "-march=native" in _flags()
+
+
 def _cpu_flags() -> str:
     """The ISA flags of this CPU (``-march=native`` compiles for them), '' where /proc/cpuinfo is absent."""
     try:
@@ -117,7 +122,7 @@ def _built_for(source: Path) -> dict:
     """What a library built from ``source`` here and now is built for (an ahead-of-time manifest entry)."""
     import torch
 
-    native = "-march=native" in _flags()
+    native = builds_native()
     return {"source": hashlib.sha256(_content(source)).hexdigest(), "flags": _flags(), "torch": torch.__version__,
             "python": sys.implementation.cache_tag, "cpu_flags": sorted(_cpu_flags().split()) if native else []}
 
