@@ -25,6 +25,11 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # are enough for our threads. Read at process start: it bounds the engine-core and worker processes.
 os.environ.setdefault("MALLOC_ARENA_MAX", "2")
 
+from pagedllm.config.host_memory import keep_freed_memory  # noqa: E402
+
+# each step's activations stay in the heap instead of being faulted in afresh (see host_memory)
+keep_freed_memory()
+
 from pagedllm.config.args import EngineArgs  # noqa: E402
 from pagedllm.config.version import __version__  # noqa: E402
 from pagedllm.protocol import RequestOutput, SamplingParams  # noqa: E402
