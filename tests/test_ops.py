@@ -88,6 +88,11 @@ def _cases() -> list[tuple[str, tuple, dict]]:
                        torch.randn(2, 2, 4, 12, generator=g), [torch.randn(2, 4, 8), torch.randn(2, 4, 5)], [0, 9],
                        torch.tensor([1, -1, 0])), {}),
     ]
+    pf = make_random_batch([5, 40], [9, 40], num_kv_heads=2, group=2, head_dim=64, block_size=32,
+                           cache_dtype=torch.bfloat16, spare_blocks=2)  # prefill chunks, one after a cached prefix
+    pm = pf.meta
+    out.append(("prefill_attention_amx", (torch.empty_like(pf.q), pf.q, pf.k_cache, pf.v_cache, pm.block_tables,
+                                          pm.seq_lens, pm.query_start_loc, 32, pf.scale, 0, 2), {}))
     d = make_random_batch([1], [9], num_kv_heads=2, group=2, head_dim=16, spare_blocks=2)  # one decode token
     dm = d.meta
     out.append(("decode_layer", (torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g), torch.rand(64),
@@ -121,11 +126,12 @@ def test_mutations_are_declared_in_the_schemas():
                    if a.alias_info is not None and a.alias_info.is_write]
               for op, _, _ in CASES}
     assert writes["write_kv"] == writes["attend_qkv"] == ["k_cache", "v_cache", "k_scale", "v_scale"]
-    assert writes["paged_attention_out"] == ["out"]
+    assert writes["paged_attention_out"] == writes["prefill_attention_amx"] == ["out"]
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
     assert writes["decode_layer"] == ["h", "k_cache", "v_cache", "k_scale", "v_scale"]
     assert writes["quant_gemv_part"] == writes["linear_a8_packed_part"] == ["y"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
+                                                              "prefill_attention_amx",
                                                               "add_rms_norm", "rope", "lora_bgmv", "decode_layer",
                                                               "quant_gemv_part", "linear_a8_packed_part"))
 

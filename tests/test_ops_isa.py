@@ -16,7 +16,7 @@ from pagedllm import ops
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
-ISA_KERNELS = ("paged_attention", "amx_gemm")
+ISA_KERNELS = ("paged_attention", "amx_gemm", "amx_attention")
 TARGETS = [("znver3", k) for k in ops.KERNELS] + [(m, k) for m in ("cooperlake", "sapphirerapids") for k in ISA_KERNELS]
 
 

@@ -14,12 +14,15 @@ long enough that torch's CPU flash SDPA over a gathered context is faster (``sdp
 ``pagedllm/bench/attention.py``). A bf16 pool on a CPU with native bf16 (AVX512-BF16 / AMX) sends chunks of
 :data:`BF16_SDPA_MIN_LEN` queries and more there by default, computed in bf16 as vLLM's CPU build and HF bf16 do
 (queries rounded to bf16; the kernel's arithmetic is fp32 FMAs): torch's flash SDPA runs its bf16 tiles through
-oneDNN's brgemm (AMX on a Xeon), ~3x the kernel's prefill throughput at 256-token prompts. fp32 pools (the exact
-path) keep the kernel.
+oneDNN's brgemm (AMX on a Xeon), ~3x the kernel's prefill throughput at 256-token prompts. On AMX Xeons those
+chunks go instead to our own tile kernel (``ops/csrc/amx_attention.cpp``, head_dim 64, block sizes of multiples of
+32; ``PAGEDLLM_AMX_ATTENTION=0`` turns it off), which reads K/V in place: no gather, casts or copies around it (one
+270-token prompt's prefill 87 -> 74 ms). fp32 pools (the exact path) keep the kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import causal_mask, gather_sequence_kv
-from pagedllm.config.device import cpu_has_native_bf16
+from pagedllm.config.device import cpu_has_amx_bf16, cpu_has_native_bf16
 from pagedllm.kv.kv_quant import QuantizedKV
 
 # Prefill chunks over a bf16 pool go to torch's bf16 flash SDPA on a CPU with native bf16 when they have at least
@@ -38,6 +41,22 @@ from pagedllm.kv.kv_quant import QuantizedKV
 # 512 x 2048 13.3 / 5.4. SDPA's gathers and casts cost ~50 us a call; its flash tiles win from ~16k pairs.
 BF16_SDPA_MIN_LEN = int(os.environ.get("PAGEDLLM_BF16_SDPA_MIN_LEN", "32"))
 BF16_SDPA_MIN_PAIRS = 1 << 15
+
+
+AMX_HEAD_DIM = 64
+
+
+@functools.cache
+def amx_prefill_available() -> bool:
+    """Whether bf16 prefill chunks go to ``ops/csrc/amx_attention.cpp``: an AMX bf16 CPU, kernels built for it,
+    not turned off (``PAGEDLLM_AMX_ATTENTION=0``)."""
+    if os.environ.get("PAGEDLLM_AMX_ATTENTION") == "0" or not ops.native.builds_native():
+        return False
+    return cpu_has_amx_bf16() and ops.load("amx_attention")
+
+
+def _prefill_attention_amx(*args) -> None:
+    torch.ops.pagedllm.prefill_attention_amx.default(*args)
 
 
 def load_kernel() -> None:
@@ -66,6 +85,8 @@ class CpuBackend:
         self.sdpa_prefill_min_len = sdpa_prefill_min_len
         # prefill chunks over a bf16 pool with BF16_SDPA_MIN_LEN queries, BF16_SDPA_MIN_PAIRS pairs use SDPA in bf16
         self.bf16_sdpa = BF16_SDPA_MIN_LEN > 0 and cpu_has_native_bf16()
+        # ... and on AMX Xeons through our tile kernel instead of SDPA (see amx_prefill_available)
+        self.amx_prefill = self.bf16_sdpa and amx_prefill_available()
         load_kernel()
 
     def _sdpa_mode(self, k_cache) -> str | None:
@@ -108,7 +129,10 @@ class CpuBackend:
         out = torch.empty_like(q)
         mode = self._sdpa_mode(k_cache)
         for b, e, sdpa in self._runs(meta, mode):
-            if sdpa:
+            if sdpa and mode == "bf16" and self._amx_prefill(q, meta):
+                _prefill_attention_amx(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, meta.block_size, float(scale), b, e)
+            elif sdpa:
                 dtype = torch.bfloat16 if mode == "bf16" else q.dtype
                 self._sdpa_chunks(q, k_cache, v_cache, out, meta, scale, b, e, dtype)
             else:
@@ -132,6 +156,10 @@ class CpuBackend:
         return torch.ops.pagedllm.attend_qkv.default(qkv, num_heads, kd, vd, meta.slot_mapping, meta.block_tables,
                                              meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
                                              self.q_tile, **scales)
+
+    def _amx_prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether bf16 prefill chunks run on the AMX kernel (head_dim 64, blocks of 32-key multiples)."""
+        return self.amx_prefill and q.shape[-1] == AMX_HEAD_DIM and meta.block_size % 32 == 0
 
     def _sdpa_chunks(self, q, k_cache, v_cache, out, meta, scale, first, end, dtype) -> None:
         """Sequences ``[first, end)`` through flash SDPA in ``dtype`` over their gathered context."""

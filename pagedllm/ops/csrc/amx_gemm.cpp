@@ -21,28 +21,15 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDLLM_AMX 1
-#endif
 
 namespace {
+
+using namespace pagedllm_ops;
 
 constexpr int64_t TN = 16;  // output columns per block (one B tile)
 constexpr int64_t TK = 32;  // K per tile step (32 bf16 = one 64-byte tile row)
 constexpr int64_t MAX_M = 64;  // rows per call: four 16-row accumulator tiles
 
-bool amx_usable() {
-#ifdef PAGEDLLM_AMX
-  // Linux hands out the tile state only to a process that asks for it (once; oneDNN asks the same way)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
 
 // where W[n][k] sits in the packing (see the header): tile (n / 16, k / 32), row (k % 32) / 2, pair n % 16, half k % 2
 inline int64_t packed_index(int64_t n, int64_t k, int64_t Kb) {
@@ -75,11 +62,6 @@ torch::Tensor amx_unpack_bf16(const torch::Tensor& packed, int64_t N, int64_t K)
 }
 
 #ifdef PAGEDLLM_AMX
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // One column block (16 columns) for all MT * 16 rows of xp (Kb * 32 columns, zero padded), in one pass over K: each
 // B tile is loaded once and feeds the MT row tiles (accumulators: tiles 0..MT-1; A and B double buffered in 4/6,
@@ -153,8 +135,7 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N) 
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), Nb));
 #pragma omp parallel num_threads(nthreads)
   {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    const TileConfig cfg;
     _tile_loadconfig(&cfg);
     alignas(64) float cbuf[MAX_M * TN];
     // static: each thread streams one contiguous run of the packed weight

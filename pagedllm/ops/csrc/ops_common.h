@@ -19,6 +19,12 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDLLM_AMX 1
+#endif
+
 namespace pagedllm_ops {
 
 #ifdef __AVX2__
@@ -87,5 +93,28 @@ inline const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, a
   TORCH_CHECK(holder.numel() == N, "bias must have N = ", N, " elements, got ", holder.numel());
   return holder.data_ptr<float>();
 }
+
+// Whether this process may use AMX tiles: built for them, and Linux handed out the tile state (it does so only to a
+// process that asks, once; oneDNN asks the same way).
+inline bool amx_usable() {
+#ifdef PAGEDLLM_AMX
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#ifdef PAGEDLLM_AMX
+// palette 1 with all eight tiles 16 rows x 64 bytes
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) rows[t] = 16, colsb[t] = 64;
+  }
+};
+#endif
 
 }  // namespace pagedllm_ops
