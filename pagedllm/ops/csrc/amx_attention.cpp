@@ -134,7 +134,6 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
       for (int i = 0; i < 16; ++i) _mm512_store_si512(qt + c * 512 + i * 32, r[c][i]);
     }
   }
-  std::memset(o, 0, sizeof(o));
   const float inf = std::numeric_limits<float>::infinity();
   __m512 m = _mm512_set1_ps(-inf), l = _mm512_setzero_ps();
   const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-inf);
@@ -149,9 +148,10 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i ipair = _mm512_load_si512(pairs);
   const int64_t nblocks = (std::min(n_keys, pos0 + rows) + KB - 1) / KB;
-  for (int64_t b = 0; b < nblocks; ++b) {
+  // S^T of block b into tiles 4 (keys 0-15) and 5 (16-31), K rows in 6, Q^T in 7 (a block of 32 keys sits in one
+  // pool block). Issued a block ahead: the tiles compute the next scores while the vector units run this softmax.
+  auto scores = [&](int64_t b) {
     const int64_t key0 = b * KB;
-    // S^T: tiles 4 (keys 0-15) and 5 (16-31); K rows in 6, Q^T in 7. A block of 32 keys sits in one pool block.
     const uint16_t* k = k_head + (table[key0 / block_size] * block_size + key0 % block_size) * D;
     _tile_zero(4);
     _tile_zero(5);
@@ -165,8 +165,18 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
     _tile_dpbf16ps(4, 6, 7);
     _tile_loadd(6, k + 16 * D + 32, D * 2);
     _tile_dpbf16ps(5, 6, 7);
+  };
+  // O^T stays in tiles 0-3 (16 dims each) and goes through memory only to be rescaled
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  if (nblocks > 0) scores(0);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t key0 = b * KB;
     _tile_stored(4, s, 64);
     _tile_stored(5, s + 16 * QT, 64);
+    if (b + 1 < nblocks) scores(b + 1);
     __m512 sv[KB];
     __m512 mx = m;
     for (int j = 0; j < KB; ++j) {
@@ -187,14 +197,19 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
     }
     l = _mm512_fmadd_ps(l, alpha, sum);
     m = mx;
-    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ))
+    if (b > 0 && _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) {
+      _tile_stored(0, o, 64);
+      _tile_stored(1, o + 16 * QT, 64);
+      _tile_stored(2, o + 32 * QT, 64);
+      _tile_stored(3, o + 48 * QT, 64);
       for (int64_t d = 0; d < D; ++d) _mm512_store_ps(o + d * QT, _mm512_mul_ps(_mm512_load_ps(o + d * QT), alpha));
-    // O^T += V^T P^T: accumulators in tiles 0-3 (16 dims each), P^T in 7, V^T in 6
+      _tile_loadd(0, o, 64);
+      _tile_loadd(1, o + 16 * QT, 64);
+      _tile_loadd(2, o + 32 * QT, 64);
+      _tile_loadd(3, o + 48 * QT, 64);
+    }
+    // O^T += V^T P^T: P^T in 7, V^T in 6
     const uint16_t* v = vt + b * 4 * 512;
-    _tile_loadd(0, o, 64);
-    _tile_loadd(1, o + 16 * QT, 64);
-    _tile_loadd(2, o + 32 * QT, 64);
-    _tile_loadd(3, o + 48 * QT, 64);
     _tile_loadd(7, pt, 64);
     _tile_loadd(6, v, 64);
     _tile_dpbf16ps(0, 6, 7);
@@ -204,11 +219,11 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
     _tile_dpbf16ps(2, 6, 7);
     _tile_loadd(6, v + 1536, 64);
     _tile_dpbf16ps(3, 6, 7);
-    _tile_stored(0, o, 64);
-    _tile_stored(1, o + 16 * QT, 64);
-    _tile_stored(2, o + 32 * QT, 64);
-    _tile_stored(3, o + 48 * QT, 64);
   }
+  _tile_stored(0, o, 64);
+  _tile_stored(1, o + 16 * QT, 64);
+  _tile_stored(2, o + 32 * QT, 64);
+  _tile_stored(3, o + 48 * QT, 64);
   // out rows = (O^T / l)^T, 16 dims at a time
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
   for (int64_t dt = 0; dt < D / 16; ++dt) {
