@@ -127,8 +127,17 @@ class CpuBackend:
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
+        self.attend(q, k_cache, v_cache, out, meta, scale, 0, meta.num_seqs)
+        return out
+
+    def attend(self, q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, first: int, end: int) -> None:
+        """Sequences ``[first, end)`` of the step into ``out``, their K/V already in the pool, each run of them on its
+        path (``bench steptime`` times the decode rows and the prefill chunks apart through this)."""
         mode = self._sdpa_mode(k_cache)
         for b, e, sdpa in self._runs(meta, mode):
+            b, e = max(b, first), min(e, end)
+            if b >= e:
+                continue
             if sdpa and mode == "bf16" and self._amx_prefill(q, meta):
                 _prefill_attention_amx(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.block_size, float(scale), b, e)
@@ -137,7 +146,6 @@ class CpuBackend:
                 self._sdpa_chunks(q, k_cache, v_cache, out, meta, scale, b, e, dtype)
             else:
                 self._kernel(q, k_cache, v_cache, out, meta, scale, b, e)
-        return out
 
     def forward_qkv(self, qkv: torch.Tensor, num_heads: int, k_cache, v_cache, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:

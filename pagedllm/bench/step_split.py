@@ -5,8 +5,9 @@ time: a part called inside another (a GEMM inside a decoder layer) counts for it
 parts add up to the steps' time and "other" is what no part covers. Opaque parts (the LM head, the sampler, the
 batch-1 fused layer) are timed whole: nothing inside them is split out.
 
-Attention is timed in two calls per layer, the decode rows and then the prefill chunks (the same kernel and
-work items as the one ``attend_qkv`` call it replaces, so the same output; one extra fork/join per layer).
+Attention is timed in two calls per layer, the decode rows and then the prefill chunks, through the backend's own
+routing (the paged kernel's work items as in the one ``attend_qkv`` call it replaces, SDPA or the AMX kernel for long
+chunks over a bf16 pool; the same output; one extra fork/join per layer).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class ExclusiveTimers:
         return timed
 
     def attention_split(self, backend) -> Callable:
-        """``forward_qkv`` of the CPU backend as two timed kernel calls: decode rows, then prefill chunks."""
+        """``forward_qkv`` of the CPU backend as two timed calls of its own routing (``attend``): decode rows, then
+        prefill chunks (each on the path the backend picks for it: paged kernel, SDPA or the AMX kernel)."""
         def forward_qkv(qkv, num_heads, k_cache, v_cache, meta, scale):
             from pagedllm.attention.cpu import kernel_args
 
@@ -124,9 +126,7 @@ class ExclusiveTimers:
                     if b == 0:  # the step's K/V rows go in first, charged to the first kernel call
                         torch.ops.pagedllm.write_kv.default(k, v, kd, vd, meta.slot_mapping,
                                                             block_size=meta.block_size, **scales)
-                    torch.ops.pagedllm.paged_attention_out.default(
-                        out, q, kd, vd, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size,
-                        float(scale), b, e, backend.q_tile, **scales)
+                    backend.attend(q, k_cache, v_cache, out, meta, float(scale), b, e)
             return out.view(T, num_heads * D)
 
         return forward_qkv
