@@ -30,7 +30,8 @@ glibc_only = pytest.mark.skipif(not host_memory._glibc(), reason="mallopt is gli
 
 def _faults(**env: str) -> int:
     clean = {k: v for k, v in os.environ.items() if k not in host_memory.USER_SETTINGS + (host_memory.SWITCH,)}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True,
+                         check=True)
     return int(out.stdout.split()[-1])
 
 

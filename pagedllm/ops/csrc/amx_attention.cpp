@@ -19,11 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
-
 
 namespace {
 
@@ -34,9 +32,7 @@ constexpr int64_t QT = 16;       // query rows per tile
 constexpr int64_t KB = 32;       // keys per block
 constexpr int64_t QCHUNK = 64;   // query rows per task
 
-
 #ifdef PAGEDLLM_AMX
-
 // 16 x 16 32-bit transpose in registers
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -187,7 +183,8 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
     // lanes that saw no key yet keep -inf: exp(-inf - -inf) would be NaN, so they subtract 0 instead
     const __mmask16 live = _mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_OQ);
     const __m512 mref = _mm512_maskz_mov_ps(live, mx);
-    const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, neg_inf, _CMP_NEQ_OQ), Sleef_expf16_u10(_mm512_sub_ps(m, mref)));
+    const __m512 alpha =
+        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, neg_inf, _CMP_NEQ_OQ), Sleef_expf16_u10(_mm512_sub_ps(m, mref)));
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < KB; j += 2) {
       const __m512 p0 = Sleef_expf16_u10(_mm512_sub_ps(sv[j], mref));

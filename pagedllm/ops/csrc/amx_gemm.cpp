@@ -21,7 +21,6 @@
 #include <cstring>
 #include <vector>
 
-
 namespace {
 
 using namespace pagedllm_ops;
@@ -29,7 +28,6 @@ using namespace pagedllm_ops;
 constexpr int64_t TN = 16;  // output columns per block (one B tile)
 constexpr int64_t TK = 32;  // K per tile step (32 bf16 = one 64-byte tile row)
 constexpr int64_t MAX_M = 64;  // rows per call: four 16-row accumulator tiles
-
 
 // where W[n][k] sits in the packing (see the header): tile (n / 16, k / 32), row (k % 32) / 2, pair n % 16, half k % 2
 inline int64_t packed_index(int64_t n, int64_t k, int64_t Kb) {
@@ -62,7 +60,6 @@ torch::Tensor amx_unpack_bf16(const torch::Tensor& packed, int64_t N, int64_t K)
 }
 
 #ifdef PAGEDLLM_AMX
-
 // One column block (16 columns) for all MT * 16 rows of xp (Kb * 32 columns, zero padded), in one pass over K: each
 // B tile is loaded once and feeds the MT row tiles (accumulators: tiles 0..MT-1; A and B double buffered in 4/6,
 // 5/7 so a load does not wait for the product that reads the previous one).
