@@ -42,17 +42,6 @@ void check_f32_or_bf16_cpu(const torch::Tensor& t, const char* name) {
               " must be a float32 or bfloat16 CPU tensor");
 }
 
-// fp32 -> bf16, round to nearest even (c10::BFloat16's rounding, NaN kept quiet), 8 lanes.
-inline void store8(at::BFloat16* p, __m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 // n < 8 elements through padded lanes: the same routines as the full lanes.
 template <typename T>
