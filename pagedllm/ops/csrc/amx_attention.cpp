@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -111,17 +110,9 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
     __m512i r[2][16];
     for (int64_t i = 0; i < QT; ++i) {
       for (int c = 0; c < 2; ++c) {
-        __m512 x0 = _mm512_setzero_ps(), x1 = x0;
-        if (i < rows) {
-          if constexpr (std::is_same_v<Q, float>) {
-            x0 = _mm512_loadu_ps(q + i * q_stride + c * 32);
-            x1 = _mm512_loadu_ps(q + i * q_stride + c * 32 + 16);
-          } else {
-            const __m256i* qr = reinterpret_cast<const __m256i*>(q + i * q_stride + c * 32);
-            x0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(qr)), 16));
-            x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(qr + 1)), 16));
-          }
-        }
+        const Q* qr = q + i * q_stride + c * 32;
+        const __m512 x0 = i < rows ? load16(qr) : _mm512_setzero_ps();
+        const __m512 x1 = i < rows ? load16(qr + 16) : _mm512_setzero_ps();
         r[c][i] = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
       }
     }
@@ -227,14 +218,7 @@ void query_tile(const Q* q, int64_t q_stride, int64_t rows, int64_t pos0, int64_
     __m512i r[16];
     for (int d = 0; d < 16; ++d) r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(o + (dt * 16 + d) * QT), inv));
     transpose16(r);
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 y = _mm512_castsi512_ps(r[i]);
-      if constexpr (std::is_same_v<O, float>) {
-        _mm512_storeu_ps(out + i * out_stride + dt * 16, y);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * out_stride + dt * 16), (__m256i)_mm512_cvtneps_pbh(y));
-      }
-    }
+    for (int64_t i = 0; i < rows; ++i) store16(out + i * out_stride + dt * 16, _mm512_castsi512_ps(r[i]));
   }
 }
 

@@ -42,7 +42,6 @@ void check_f32_or_bf16_cpu(const torch::Tensor& t, const char* name) {
               " must be a float32 or bfloat16 CPU tensor");
 }
 
-
 // n < 8 elements through padded lanes: the same routines as the full lanes.
 template <typename T>
 inline __m256 load_tail(const T* p, int64_t n) {
@@ -58,22 +57,8 @@ inline void store_tail(T* p, __m256 v, int64_t n) {
 }
 
 #ifdef __AVX512F__
-// The same on 16 lanes (ATen's own AVX-512 build runs silu 16 wide through Sleef_expf16_u10): the same formula
+// silu * up on 16 lanes (ATen's own AVX-512 build runs silu 16 wide through Sleef_expf16_u10): the same formula
 // and rounding per element, half the instructions; silu_mul was 12% of a 2048-token bf16 prefill step on 8 lanes.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-// round to nearest even as store8 (not VCVTNEPS2BF16, which flushes subnormal inputs to zero)
-inline void store16(at::BFloat16* p, __m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
 inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
