@@ -89,12 +89,15 @@ class CpuBackend:
         self.amx_prefill = self.bf16_sdpa and amx_prefill_available()
         load_kernel()
 
-    def _sdpa_mode(self, k_cache) -> str | None:
+    def _sdpa_mode(self, k_cache, meta: AttentionMetadata) -> str | None:
         """How long prefill chunks over this pool run: ``"query"`` (SDPA in the query's dtype, from
-        ``sdpa_prefill_min_len`` queries), ``"bf16"`` (SDPA in bf16 over a bf16 pool) or None (the kernel)."""
+        ``sdpa_prefill_min_len`` queries), ``"bf16"`` (SDPA in bf16 over a bf16 pool), ``"amx"`` (the same chunks on
+        the AMX kernel, where it serves the pool's head_dim and block size) or None (the paged kernel)."""
         if self.sdpa_prefill_min_len is not None:
             return "query"
         if self.bf16_sdpa and not isinstance(k_cache, QuantizedKV) and k_cache.dtype == torch.bfloat16:
+            if self.amx_prefill and k_cache.shape[2] == AMX_HEAD_DIM and meta.block_size % 32 == 0:
+                return "amx"
             return "bf16"
         return None
 
@@ -105,7 +108,7 @@ class CpuBackend:
         if key not in meta.extra:
             if mode is None:
                 use = [False] * meta.num_seqs
-            elif mode == "bf16":
+            elif mode in ("bf16", "amx"):
                 use = [q >= BF16_SDPA_MIN_LEN and q * s >= BF16_SDPA_MIN_PAIRS
                        for q, s in zip(meta.query_lens_list, meta.seq_lens_list)]
             else:
@@ -133,12 +136,12 @@ class CpuBackend:
     def attend(self, q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, first: int, end: int) -> None:
         """Sequences ``[first, end)`` of the step into ``out``, their K/V already in the pool, each run of them on its
         path (``bench steptime`` times the decode rows and the prefill chunks apart through this)."""
-        mode = self._sdpa_mode(k_cache)
+        mode = self._sdpa_mode(k_cache, meta)
         for b, e, sdpa in self._runs(meta, mode):
             b, e = max(b, first), min(e, end)
             if b >= e:
                 continue
-            if sdpa and mode == "bf16" and self._amx_prefill(q, meta):
+            if sdpa and mode == "amx":
                 _prefill_attention_amx(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.block_size, float(scale), b, e)
             elif sdpa:
@@ -152,7 +155,7 @@ class CpuBackend:
         """Attention straight from the fused projection output ``qkv [T, (H + 2 Hkv) D]`` (rope applied):
         one C++ call (write K/V, attend) returning ``[T, H * D]``; at batch 1 the views and separate calls
         of :meth:`forward` cost as much as the attention. Steps with a prefill chunk for SDPA take that path."""
-        sdpa = any(run[2] for run in self._runs(meta, self._sdpa_mode(k_cache)))
+        sdpa = any(run[2] for run in self._runs(meta, self._sdpa_mode(k_cache, meta)))
         if sdpa or qkv.dim() != 2 or qkv.stride(1) != 1:
             T, D = qkv.shape[0], k_cache.shape[2]
             Hkv = k_cache.shape[0]
@@ -164,10 +167,6 @@ class CpuBackend:
         return torch.ops.pagedllm.attend_qkv.default(qkv, num_heads, kd, vd, meta.slot_mapping, meta.block_tables,
                                              meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
                                              self.q_tile, **scales)
-
-    def _amx_prefill(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether bf16 prefill chunks run on the AMX kernel (head_dim 64, blocks of 32-key multiples)."""
-        return self.amx_prefill and q.shape[-1] == AMX_HEAD_DIM and meta.block_size % 32 == 0
 
     def _sdpa_chunks(self, q, k_cache, v_cache, out, meta, scale, first, end, dtype) -> None:
         """Sequences ``[first, end)`` through flash SDPA in ``dtype`` over their gathered context."""

@@ -125,7 +125,7 @@ def test_cpu_long_prefill_chunks_over_a_bf16_pool_run_flash_sdpa_in_bf16(cpu_bac
     backend.bf16_sdpa = True  # the rule, on any CPU (native bf16 only decides whether it is on by default)
     ql, sl = [1, 1, 40, 300, 256], [700, 30, 40, 300, 512]  # decodes, a short chunk, a fresh prompt, a later chunk
     b = make_random_batch(ql, sl, block_size=16, cache_dtype=torch.bfloat16)
-    assert backend._runs(b.meta, backend._sdpa_mode(b.k_cache)) == [(0, 3, False), (3, 5, True)]
+    assert backend._runs(b.meta, backend._sdpa_mode(b.k_cache, b.meta)) == [(0, 3, False), (3, 5, True)]
     _check(backend, ql, sl, atol=2e-2, cache_dtype=torch.bfloat16)
     assert _flash_calls(lambda: run_backend(backend, b)) == 2
     # a step without a long chunk: the one-call fused path, no SDPA
