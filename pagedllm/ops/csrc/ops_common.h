@@ -78,6 +78,26 @@ inline void store16(at::BFloat16* p, __m512 v) {
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
+
+// 2^x per lane, for softmax-like sums whose results are rounded to bf16 (not where a result must match ATen's exp
+// bit for bit): x = n + f with n = round(x), |f| <= 1/2; 2^f by its Taylor polynomial to degree 6 (relative error
+// < 1e-7, about an ulp); VSCALEF applies 2^n. Ten instructions where SLEEF's expf16_u10 takes about thirty, which
+// made exp the bound of the AMX prefill attention. Below 2^-125 it gives 0 (-inf included) without producing a
+// subnormal: an underflowing VSCALEF takes a microcode assist that tripled a causal prefill's time. NaN stays NaN.
+inline __m512 exp2_16(__m512 x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);  // MAXPS returns its second operand (x) for a NaN
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(normal, p, n);
+}
 #endif
 #endif
 
