@@ -155,17 +155,39 @@ def test_add_rms_norm_reads_bf16_deltas_and_writes_bf16_like_casts(T: int, E: in
     assert torch.equal(add_rms_norm_(h0, d, w, 1e-5, torch.bfloat16), got)  # the wrapper takes the op
 
 
+def _a_bf16_neighbour(got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` (bf16) is ``want`` (fp32) as a cast rounds it, or its other bf16 neighbour (within one bf16 ulp);
+    NaN where ``want`` has NaN."""
+    assert got.dtype == torch.bfloat16
+    g, w, cast = got.float(), want.float(), want.bfloat16().float()
+    assert torch.equal(g.isnan(), w.isnan())
+    ulp = torch.ldexp(torch.ones_like(w), torch.frexp(w).exponent - 8)  # bf16 keeps 8 significant bits
+    ok = (g == cast) | ((g - w).abs() <= ulp) | w.isnan()
+    assert ok.all(), (g[~ok], w[~ok])
+
+
 @pytest.mark.parametrize("T", ROWS)
 @pytest.mark.parametrize("I", (1536, 100, 13))
-def test_silu_mul_in_and_out_of_bf16_like_casts(T: int, I: int) -> None:
+def test_silu_mul_in_and_out_of_bf16(T: int, I: int) -> None:
+    """fp32 outputs keep ATen's bits whatever the input dtype; bf16 outputs (a faster exp) are the fp32 result
+    rounded, up to one bf16 ulp."""
     g = torch.Generator().manual_seed(T + I + 2)
     gate_up = _with_specials(4 * torch.randn(T, 2 * I, generator=g))
     want = torch.ops.pagedllm.silu_mul(gate_up)
-    _same(torch.ops.pagedllm.silu_mul(gate_up, True), want.bfloat16())
+    _a_bf16_neighbour(torch.ops.pagedllm.silu_mul(gate_up, True), want)
     gb = gate_up.bfloat16()
     want_b = torch.ops.pagedllm.silu_mul(gb.float())
     _same(torch.ops.pagedllm.silu_mul(gb), want_b)  # bf16 in, fp32 out
-    _same(torch.ops.pagedllm.silu_mul(gb, True), want_b.bfloat16())
-    _same(silu_mul(gb, torch.bfloat16), want_b.bfloat16())
+    _a_bf16_neighbour(torch.ops.pagedllm.silu_mul(gb, True), want_b)
+    _same(silu_mul(gb, torch.bfloat16), torch.ops.pagedllm.silu_mul(gb, True))  # the wrapper takes the op
+
+
+def test_silu_mul_bf16_outputs_round_like_casts_but_rarely() -> None:
+    """Over 6M outputs the fast exp moves fewer than one in 10,000 bf16 outputs off the rounded fp32 value."""
+    gate_up = 4 * torch.randn(4096, 2 * 1536, generator=torch.Generator().manual_seed(5))
+    got = torch.ops.pagedllm.silu_mul(gate_up, True)
+    want = torch.ops.pagedllm.silu_mul(gate_up)
+    _a_bf16_neighbour(got, want)
+    assert (got != want.bfloat16()).sum().item() < gate_up.numel() // 2 // 10_000
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.pagedllm.silu_mul(gate_up.half())

@@ -59,8 +59,13 @@ inline void store_tail(T* p, __m256 v, int64_t n) {
 #ifdef __AVX512F__
 // silu * up on 16 lanes (ATen's own AVX-512 build runs silu 16 wide through Sleef_expf16_u10): the same formula
 // and rounding per element, half the instructions; silu_mul was 12% of a 2048-token bf16 prefill step on 8 lanes.
+// Results rounded to bf16 take exp(-g) as exp2_16(-g log2 e) (within an ulp of SLEEF's before the rounding, so
+// an output differs from the rounded ATen value by at most one bf16 ulp, and rarely): 1,691 x 1,536 bf16 went from
+// 0.92 to 0.62 ms; fp32 outputs keep ATen's bits.
+template <bool Bf16Out>
 inline __m512 silu_mul16(__m512 g, __m512 u) {
-  const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 e = Bf16Out ? exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)))
+                           : Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
 }
 #endif
@@ -136,7 +141,8 @@ void silu_mul_row(const G* g, Y* o, int64_t I) {
   const G* u = g + I;
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 16 <= I; i += 16) store16(o + i, silu_mul16(load16(g + i), load16(u + i)));
+  constexpr bool bf16_out = std::is_same_v<Y, at::BFloat16>;
+  for (; i + 16 <= I; i += 16) store16(o + i, silu_mul16<bf16_out>(load16(g + i), load16(u + i)));
 #endif
   for (; i + 8 <= I; i += 8) store8(o + i, silu_mul8(load8(g + i), load8(u + i)));
   if (i < I) store_tail(o + i, silu_mul8(load_tail(g + i, I - i), load_tail(u + i, I - i)), I - i);
