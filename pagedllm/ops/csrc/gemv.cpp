@@ -9,8 +9,8 @@
 // weight values and fp32 arithmetic, summed in another order: the result differs from gemm.cpp's by fp32
 // rounding only (relative ~1e-6, like any two fp32 GEMMs, e.g. ours and MKL's), not by an approximation of x
 // (gguf-a8's int8 rounding is ~1e-2). Per block: one FMA per 8 weights and two per block instead of two per 8.
-// Under AVX-512 the tiles run 16 lanes with the scales gathered out of the block loop (tile16_q4_1): the 30 layers'
-// GEMVs of the embedded model 5.7 -> 4.4-4.9 ms on an AMX Xeon (2 threads), batch-1 decode ~70 -> ~84 tok/s.
+// Under AVX-512 the Q4_1 tiles run 16 lanes with the scales gathered out of the block loop (tile16_q4_1): the 30
+// layers' GEMVs of the embedded model 5.7 -> 4.4-4.9 ms on an AMX Xeon (2 threads), batch-1 decode ~70 -> ~84 tok/s.
 #include "ops_common.h"
 
 #include <omp.h>
@@ -135,27 +135,6 @@ template <int R>
   for (int j = 0; j < R; ++j) y[j] = _mm512_reduce_add_ps(acc[j]) + mterm[j] + (bias ? bias[j] : 0.f);
 }
 
-template <int R>
-[[gnu::noinline]] void tile16_q8_0(const float* x, const float*, int64_t kb, const BlockQ8_0* w, float* y,
-                                   const float* bias) {
-  __m512 acc[R];
-#pragma GCC unroll 8
-  for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < kb; ++b) {
-    const float* xb = x + 32 * b;
-#pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) {
-      const BlockQ8_0& blk = w[j * kb + b];
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs))));
-      const __m512 q1 =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs + 16))));
-      const __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q1, _mm512_mul_ps(_mm512_loadu_ps(xb), q0));
-      acc[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(_cvtsh_ss(blk.d)), acc[j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < R; ++j) y[j] = _mm512_reduce_add_ps(acc[j]) + (bias ? bias[j] : 0.f);
-}
 constexpr int64_t kXsLanes = 1;  // xsum: one sum a block
 #else
 constexpr int64_t kXsLanes = 8;
@@ -164,21 +143,17 @@ constexpr int64_t kXsLanes = 8;
 template <typename B>
 [[gnu::always_inline]] inline void tile(const float* x, const float* xs, int64_t kb, const B* w, int64_t nr, float* y,
                                         const float* bias) {
-#ifdef __AVX512F__
   if constexpr (std::is_same_v<B, BlockQ4_1>) {
+#ifdef __AVX512F__
     if (nr == NR) return tile16_q4_1<NR>(x, xs, kb, w, y, bias);
     for (int64_t r = 0; r < nr; ++r) tile16_q4_1<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
-  } else {
-    for (int64_t r = 0; r < nr; ++r) tile16_q8_0<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
-  }
 #else
-  if constexpr (std::is_same_v<B, BlockQ4_1>) {
     if (nr == NR) return tile_q4_1<NR>(x, xs, kb, w, y, bias);
     for (int64_t r = 0; r < nr; ++r) tile_q4_1<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
-  } else {
+#endif
+  } else {  // the Q8_0 LM head streams from memory at the 8-lane tile's rate already
     for (int64_t r = 0; r < nr; ++r) tile_q8_0<1>(x, xs, kb, w + r * kb, y + r, bias ? bias + r : nullptr);
   }
-#endif
 }
 
 // Tiles of W: rows per tile and their count.
