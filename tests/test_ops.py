@@ -71,6 +71,8 @@ def _cases() -> list[tuple[str, tuple, dict]]:
          {}),
         ("rope", (torch.randn(3, 6 * 16, generator=g), torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g),
                   4), {}),
+        ("rope_widen", (torch.randn(3, 6 * 16 + 5, generator=g).bfloat16(), torch.randn(3, 8, generator=g),
+                        torch.randn(3, 8, generator=g), 4), {}),
         ("add_rms_norm", (torch.randn(3, 24, generator=g), torch.randn(3, 24, generator=g).bfloat16(),
                           torch.randn(24), 1e-5, True), {}),
         ("silu_mul", (torch.randn(3, 40, generator=g),), {}),

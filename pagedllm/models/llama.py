@@ -21,7 +21,7 @@ from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.models.decode_layer import decode_layer, fused_layer_applies
 from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear, rms_norm,
-                                    rope_cos_sin, silu_mul)
+                                    rope_cos_sin, rope_widened, silu_mul)
 from pagedllm.models.quant import (MATRICES, QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks,
                                    resolve_auto)
 
@@ -74,15 +74,24 @@ class LlamaDecoderLayer(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         lowp = self._bf16_inputs(h, lora)
         x = add_rms_norm_(h, delta, self.input_norm, self.eps, lowp)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, up, h.dtype)  # [T, (H + 2 Hkv) D]
-        if lora is not None:
-            lora.add_(self.index, "qkv", qkv, x)
         fused = getattr(backend, "forward_qkv", None)
         rope_fused = getattr(backend, "forward_qkv_rope", None)
+        # a bf16 GEMM's qkv widened as rotary reads it, in one pass (bias-free: a bias is added in the output dtype)
+        widen_late = (lowp is not None and self.qkv_bias is None and self.qk_norm is None and rope_fused is None
+                      and fused is not None)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, up, lowp if widen_late else h.dtype)  # [T, (H + 2 Hkv) D]
+        if lora is not None:
+            lora.add_(self.index, "qkv", qkv, x)
         if rope_fused is not None and self.qk_norm is None:  # rotary + K/V write in one launch (triton)
             attn = rope_fused(qkv, H, cos, sin, k_cache, v_cache, meta, scale)
         elif fused is not None and self.qk_norm is None:  # no head views: ~40 us less a layer at batch 1
-            apply_rope_heads_(qkv, H + Hkv, cos, sin)
+            if qkv.dtype == h.dtype:
+                apply_rope_heads_(qkv, H + Hkv, cos, sin)
+            elif (rotated := rope_widened(qkv, H + Hkv, cos, sin)) is not None:
+                qkv = rotated
+            else:
+                qkv = qkv.to(h.dtype)
+                apply_rope_heads_(qkv, H + Hkv, cos, sin)
             attn = fused(qkv, H, k_cache, v_cache, meta, scale)  # [T, H * D]
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D)

@@ -93,6 +93,11 @@ def _rope(x, cos, sin, num_heads=-1) -> None:
     return None
 
 
+@_fake("fused_ops", "rope_widen")
+def _rope_widen(x, cos, sin, num_heads) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float32)
+
+
 @_fake("fused_ops", "silu_mul")
 def _silu_mul(gate_up, bf16_out=False) -> torch.Tensor:
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2),

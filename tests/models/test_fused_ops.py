@@ -87,6 +87,26 @@ def test_rope_on_fused_rows(T: int) -> None:
         torch.ops.pagedllm.rope(qkv, cos, sin, H + 2 * Hkv + 1)
 
 
+@pytest.mark.parametrize("T", ROWS)
+@pytest.mark.parametrize("D", (64, 20))
+def test_rope_widened_is_widening_then_rotating(T: int, D: int) -> None:
+    """A bf16 GEMM's qkv widened and rotated in one pass: the bits of ``qkv.float()`` then ``apply_rope_heads_``
+    (v heads widened only), on 8-lane bodies and their tails (D 20: half 10)."""
+    H, Hkv = 9, 3
+    g = torch.Generator().manual_seed(T + D)
+    qkv = _with_specials(4 * torch.randn(T, (H + 2 * Hkv) * D + 3, generator=g)).bfloat16()  # + 3: a ragged tail
+    cos, sin = torch.randn(T, D // 2, generator=g), torch.randn(T, D // 2, generator=g)
+    want = qkv.float()
+    layers.apply_rope_heads_(want, H + Hkv, cos, sin)
+    got = layers.rope_widened(qkv, H + Hkv, cos, sin)
+    assert got.dtype == torch.float32
+    _same(got, want)
+    with pytest.raises(RuntimeError, match="num_heads"):
+        torch.ops.pagedllm.rope_widen(qkv, cos, sin, H + 2 * Hkv + 1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.pagedllm.rope_widen(qkv.float(), cos, sin, H + Hkv)
+
+
 def test_wrappers_fall_back_to_aten_for_bf16() -> None:
     T, E, N, D = 5, 64, 4, 16
     g = torch.Generator().manual_seed(0)

@@ -215,6 +215,55 @@ void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_hea
   });
 }
 
+// The fp32 form of a bf16 GEMM's fused output x [T, W] (contiguous rows) with its first num_heads heads of
+// D = 2 cos.size(1) rotated as rope does: one pass instead of a widening copy and rope over the copy (the same bits:
+// widening is exact), ~20 ms of a 2,048-token gguf-bf16 prefill step on an AMX Xeon.
+torch::Tensor rope_widen(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_heads) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a bfloat16 CPU tensor [T, W] with contiguous rows");
+  check_f32_cpu(cos, "cos");
+  check_f32_cpu(sin, "sin");
+  const int64_t T = x.size(0), W = x.size(1), half = cos.size(1), ld = x.stride(0);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == T &&
+                  sin.sizes() == cos.sizes(), "cos and sin must be contiguous [T, D/2] tensors");
+  TORCH_CHECK(num_heads >= 0 && num_heads * 2 * half <= W,
+              "x [T, W] needs contiguous rows holding num_heads heads of 2 cos.size(1) values");
+  auto y = torch::empty({T, W}, x.options().dtype(at::kFloat));
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, grain_rows(W), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* xr = xp + t * ld;
+      float* yr = yp + t * W;
+      const float* __restrict c = cp + t * half;
+      const float* __restrict s = sp + t * half;
+      for (int64_t n = 0; n < num_heads; ++n) {
+        const at::BFloat16* x1 = xr + n * 2 * half;
+        const at::BFloat16* x2 = x1 + half;
+        float* __restrict y1 = yr + n * 2 * half;
+        float* __restrict y2 = y1 + half;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {  // rope's operations, eight lanes a time
+          const __m256 a = load8(x1 + i), b = load8(x2 + i), cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+          _mm256_storeu_ps(y1 + i, _mm256_sub_ps(_mm256_mul_ps(a, cv), _mm256_mul_ps(b, sv)));
+          _mm256_storeu_ps(y2 + i, _mm256_add_ps(_mm256_mul_ps(b, cv), _mm256_mul_ps(a, sv)));
+        }
+        for (; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          y1[i] = a * c[i] - b * s[i];
+          y2[i] = b * c[i] + a * s[i];
+        }
+      }
+      int64_t e = num_heads * 2 * half;
+      for (; e + 8 <= W; e += 8) _mm256_storeu_ps(yr + e, load8(xr + e));
+      for (; e < W; ++e) yr[e] = static_cast<float>(xr[e]);
+    }
+  });
+  return y;
+}
+
 // gate_up: [T, 2I] float32 or bfloat16, contiguous (gate = first I columns). Returns silu(gate) * up [T, I],
 // computed in fp32, in bfloat16 when bf16_out.
 torch::Tensor silu_mul(torch::Tensor gate_up, bool bf16_out) {
@@ -242,6 +291,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps, bool bf16_out=False) -> Tensor");
   // rotary embedding (rotate-half) in place on x [T, N, D], or on the first num_heads heads of each row of x [T, W]
   m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads=-1) -> ()");
+  // fp32 copy of a bf16 fused output [T, W] with rope applied to its first num_heads heads
+  m.def("rope_widen(Tensor x, Tensor cos, Tensor sin, int num_heads) -> Tensor");
   // silu(gate) * up of a fused [T, 2I] gate/up output
   m.def("silu_mul(Tensor gate_up, bool bf16_out=False) -> Tensor");
 }
@@ -249,5 +300,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope", &rope);
+  m.impl("rope_widen", &rope_widen);
   m.impl("silu_mul", &silu_mul);
 }
