@@ -147,6 +147,13 @@ class HostTier:
                 self.policy.touch(h)
             return self._read([self._slot[h] for h in hashes])
 
+    def get_leading(self, hashes: Sequence[int]) -> tuple[BlockData | None, int]:
+        """The leading blocks of ``hashes`` still here, as a new batch (None if none), and how many: a block
+        located a moment ago may have been evicted since by the store thread making room for a demotion."""
+        with self._lock:
+            n = next((i for i, h in enumerate(hashes) if h not in self._slot), len(hashes))
+            return (self.get(hashes[:n]) if n else None), n
+
     def remove(self, block_hash: int) -> None:
         with self._lock:
             slot = self._slot.pop(block_hash, None)

@@ -351,7 +351,11 @@ class KVCacheManager:
             if not where:
                 return False
             if "disk" not in where:
-                self._land([_Run(run, token_ids, extra, k, self.tiers.load_host(run[k:]), t0, where, tail)])
+                data, got = self.tiers.load_host(run[k:])
+                if got < len(run) - k:  # an L2 block was evicted since it was located: the blocks before it
+                    run, where, tail = run[:k + got], where[:got], None
+                if got:
+                    self._land([_Run(run, token_ids, extra, k, data, t0, where, tail)])
                 return False
             inline = not m or self._read_fits(where.count("disk"))  # a tail alone: one block, read now
             load = self._loads[run[k]] = _Load(self.tiers.load_disk(run[k:], tokens[:len(where)], where, inline),

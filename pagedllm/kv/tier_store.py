@@ -139,11 +139,13 @@ class TierStore:
             return "host"
         return "disk" if self.disk is not None and self.disk.contains(block_hash) else None
 
-    def load_host(self, hashes: Sequence[int]) -> BlockData:
-        """An L2 run as one batch (all must be in L2)."""
+    def load_host(self, hashes: Sequence[int]) -> tuple[BlockData | None, int]:
+        """An L2 run as one batch, and its length: the leading blocks still in L2 (``locate`` found them all,
+        but the store thread may have evicted some since)."""
         assert self.host is not None
-        self._count("promoted", "host", len(hashes))
-        return self.host.get(hashes)
+        data, n = self.host.get_leading(hashes)
+        self._count("promoted", "host", n)
+        return data, n
 
     def load_disk(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]],
                   where: Sequence[str], now: bool = False) -> Future:
@@ -151,7 +153,13 @@ class TierStore:
         no thread hand-over): a future of ``(data, n)``, the first ``n`` blocks loaded (a missing or corrupt
         file ends the run there)."""
         host = {i: h for i, (h, w) in enumerate(zip(hashes, where)) if w == "host"}
-        host_data = self.host.get(list(host.values())) if host else None
+        host_data = None
+        if host:
+            host_data, n = self.host.get_leading(list(host.values()))
+            if n < len(host):  # an L2 block evicted since it was located (the store thread): the run ends there
+                cut = list(host)[n]
+                hashes, tokens, where = hashes[:cut], tokens[:cut], where[:cut]
+                host = dict(list(host.items())[:n])
         run = (list(hashes), list(tokens), list(where), list(host), host_data)
         if not now:
             return self._reads.submit(self._read_run, *run)

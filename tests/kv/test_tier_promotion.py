@@ -88,3 +88,51 @@ def test_a_short_read_runs_in_the_step_that_asks(tmp_path):
     m.prefetch(a, wait=True)
     assert pool_kv(m, kv, a)[0] == 3
     m.check_integrity()
+
+
+def _evict_after_locate(store, monkeypatch, pick) -> list:
+    """``store.locate`` as the store thread can race it: right after a lookup finds a run, the L2 block at
+    ``pick(where)`` is evicted (making room for a demotion). Returns the positions evicted."""
+    real, evicted = store.locate, []
+
+    def locate(hashes, tokens):
+        where = real(hashes, tokens)
+        i = pick(where)
+        if i is not None:
+            store.host.remove(hashes[i])
+            evicted.append(i)
+        return where
+
+    monkeypatch.setattr(store, "locate", locate)
+    return evicted
+
+
+def test_an_l2_block_evicted_between_lookup_and_read_ends_the_run_there(monkeypatch):
+    """An L2-only run whose second block leaves L2 after ``locate`` found it: the block before it is promoted,
+    the rest recomputed later; no KeyError, and the pool's accounting holds."""
+    a = prompt(1, 3)
+    m, kv, store = make_tiers(num_blocks=4, host_slots=8)
+    data = fill(m, kv, 1, a)
+    evict_all(m)
+    evicted = _evict_after_locate(store, monkeypatch, lambda where: 1)
+    assert m.prefetch(a) is False and evicted == [1]
+    n, got = pool_kv(m, kv, a)
+    assert n == 1 and torch.equal(got, data[:, :, :, :1])
+    assert store.stats.promoted_blocks["host"] == 1
+    m.check_integrity()
+
+
+def test_an_l2_block_evicted_before_a_disk_run_is_read_ends_the_run_there(tmp_path, monkeypatch):
+    """A run mixing L2 and disk blocks whose first L2 block leaves L2 after ``locate``: the disk blocks before it
+    land, nothing from it on; no KeyError, and the accounting holds."""
+    a = prompt(1, 4)
+    m, kv, store = make_tiers(num_blocks=6, host_slots=2, disk_path=str(tmp_path))
+    data = fill(m, kv, 1, a)
+    evict_all(m)
+    evicted = _evict_after_locate(store, monkeypatch, lambda where: where.index("host") if "host" in where else None)
+    m.prefetch(a, wait=True)
+    m.prefetch(a)  # lands what the read returned
+    n, got = pool_kv(m, kv, a)
+    cut = evicted[0] if evicted else 4
+    assert n == cut and torch.equal(got, data[:, :, :, :cut])
+    m.check_integrity()
