@@ -176,13 +176,15 @@ def apply_rope_heads_(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: t
     apply_rope_(x[:, : num_heads * d].view(x.shape[0], num_heads, d), cos, sin)
 
 
-def rope_widened(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """``x.float()`` with :func:`apply_rope_heads_` applied, for a bf16 GEMM's fused output ``x [T, W]`` on CPU, in
-    one C++ pass (the same bits as widening, then rotating); None where the op cannot run here."""
+def rope_widened(x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` with :func:`apply_rope_heads_` applied to it, for a bf16 GEMM's fused output ``x [T, W]``: one
+    C++ pass on CPU (the same bits as widening, then rotating), those two steps elsewhere."""
     if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_cpu and x.is_contiguous() and _fp32_cpu(cos, sin):
         if ops.load("fused_ops"):
             return torch.ops.pagedllm.rope_widen.default(x, cos, sin, num_heads)
-    return None
+    y = x.float()
+    apply_rope_heads_(y, num_heads, cos, sin)
+    return y
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -85,12 +85,9 @@ class LlamaDecoderLayer(nn.Module):
         if rope_fused is not None and self.qk_norm is None:  # rotary + K/V write in one launch (triton)
             attn = rope_fused(qkv, H, cos, sin, k_cache, v_cache, meta, scale)
         elif fused is not None and self.qk_norm is None:  # no head views: ~40 us less a layer at batch 1
-            if qkv.dtype == h.dtype:
-                apply_rope_heads_(qkv, H + Hkv, cos, sin)
-            elif (rotated := rope_widened(qkv, H + Hkv, cos, sin)) is not None:
-                qkv = rotated
+            if widen_late:
+                qkv = rope_widened(qkv, H + Hkv, cos, sin)
             else:
-                qkv = qkv.to(h.dtype)
                 apply_rope_heads_(qkv, H + Hkv, cos, sin)
             attn = fused(qkv, H, k_cache, v_cache, meta, scale)  # [T, H * D]
         else:

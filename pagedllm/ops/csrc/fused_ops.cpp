@@ -175,6 +175,23 @@ torch::Tensor add_rms_norm(torch::Tensor h, std::optional<torch::Tensor> delta, 
   return y;
 }
 
+// One head's rotate-half: y1 = x1 c - x2 s, y2 = x2 c + x1 s (fp32, each product rounded: fp-contract is off), eight
+// lanes a time; y may be x itself (each lane group is read before it is written). x: fp32, or bf16 widened exactly.
+template <typename X>
+inline void rotate_head(const X* x1, const X* x2, float* y1, float* y2, const float* c, const float* s, int64_t half) {
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 a = load8(x1 + i), b = load8(x2 + i), cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+    _mm256_storeu_ps(y1 + i, _mm256_sub_ps(_mm256_mul_ps(a, cv), _mm256_mul_ps(b, sv)));
+    _mm256_storeu_ps(y2 + i, _mm256_add_ps(_mm256_mul_ps(b, cv), _mm256_mul_ps(a, sv)));
+  }
+  for (; i < half; ++i) {
+    const float a = x1[i], b = x2[i];
+    y1[i] = a * c[i] - b * s[i];
+    y2[i] = b * c[i] + a * s[i];
+  }
+}
+
 // Rotates x [T, N, D] in place (rotate-half layout: x1, x2 = halves of each head; x1*c - x2*s, x2*c + x1*s)
 // by cos, sin [T, D/2] (contiguous float32). x may be a row-strided view (the q and k heads of a fused
 // qkv output) but each row's heads must be contiguous. Or x is the fused output [T, W] itself and the first
@@ -203,13 +220,8 @@ void rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t num_hea
       const float* __restrict c = cp + t * half;
       const float* __restrict s = sp + t * half;
       for (int64_t n = 0; n < N; ++n) {
-        float* __restrict x1 = xp + t * ld + n * 2 * half;
-        float* __restrict x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
-        }
+        float* x1 = xp + t * ld + n * 2 * half;
+        rotate_head(x1, x1 + half, x1, x1 + half, c, s, half);
       }
     }
   });
@@ -241,20 +253,8 @@ torch::Tensor rope_widen(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, 
       const float* __restrict s = sp + t * half;
       for (int64_t n = 0; n < num_heads; ++n) {
         const at::BFloat16* x1 = xr + n * 2 * half;
-        const at::BFloat16* x2 = x1 + half;
-        float* __restrict y1 = yr + n * 2 * half;
-        float* __restrict y2 = y1 + half;
-        int64_t i = 0;
-        for (; i + 8 <= half; i += 8) {  // rope's operations, eight lanes a time
-          const __m256 a = load8(x1 + i), b = load8(x2 + i), cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
-          _mm256_storeu_ps(y1 + i, _mm256_sub_ps(_mm256_mul_ps(a, cv), _mm256_mul_ps(b, sv)));
-          _mm256_storeu_ps(y2 + i, _mm256_add_ps(_mm256_mul_ps(b, cv), _mm256_mul_ps(a, sv)));
-        }
-        for (; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          y1[i] = a * c[i] - b * s[i];
-          y2[i] = b * c[i] + a * s[i];
-        }
+        float* y1 = yr + n * 2 * half;
+        rotate_head(x1, x1 + half, y1, y1 + half, c, s, half);
       }
       int64_t e = num_heads * 2 * half;
       for (; e + 8 <= W; e += 8) _mm256_storeu_ps(yr + e, load8(xr + e));
