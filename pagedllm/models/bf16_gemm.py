@@ -8,10 +8,16 @@ primitive (AVX2-only CPUs) the weight stays a plain bf16 matrix and ``F.linear``
 same meaning, so the path is testable everywhere.
 
 On AMX Xeons the matrix also gets a copy in the tiles' own layout (``ops/csrc/amx_gemm.cpp``) for GEMMs of up to
-``AMX_MAX_ROWS`` rows, the decode steps: there oneDNN streamed the weights at ~13 GB/s of the ~25 the memory gives
-(the embedded model's layer GEMMs, 30 layers out of cache, 2 cores: 15.4 -> 11.0 ms at 1 row, 15.6 -> 11.2 at 16,
-18.6 -> 14.6 at 32; from 48 rows oneDNN led). ``PAGEDLLM_AMX_GEMM=0`` turns it off. The same products in fp32,
-rounded to bf16: only the summation order can differ from oneDNN's.
+``AMX_MAX_ROWS`` rows: decode steps and light-load prefills. ``PAGEDLLM_AMX_GEMM=0`` turns it off. The same
+products in fp32, rounded to bf16: only the summation order can differ from oneDNN's. Measured there (the embedded
+model's layer GEMMs, 30 layers out of cache, 2 cores):
+- decode: oneDNN streamed the weights at ~13 GB/s of the ~25 the memory gives (16.5 vs 13.6 ms at 1 row, 20.7 vs
+  15.8 at 32, 23.9 vs 20.6 at 64);
+- prefill: oneDNN JIT-compiles a primitive per distinct row count (~15-20 ms for the four shapes), so a prompt of
+  a length it had not met cost 54 ms at 270 rows against 40 once met; the tiles took 39-43 either way. oneDNN
+  leads from ~1,000 rows (164 vs 272 ms at 1,691).
+Larger GEMMs go to oneDNN with their rows padded to a bucket (:func:`padded_rows`), so a process compiles ~32
+primitives an octave, not one per row count.
 
 Activations may be fp32 (the mixed ``quantization="gguf-bf16"`` path): they are rounded to bf16 at the GEMM's
 input, the product accumulates in fp32 inside oneDNN, and its bf16 output comes back widened, bias added in fp32.
@@ -30,7 +36,7 @@ from pagedllm import ops
 from pagedllm.config.device import cpu_has_amx_bf16
 
 # GEMMs of at most this many rows run on the AMX copy where there is one (see the module docstring)
-AMX_MAX_ROWS = 32
+AMX_MAX_ROWS = 768
 
 
 @functools.cache
@@ -79,16 +85,40 @@ class PackedBF16:
         return cls(wb, tuple(wb.shape), False, min_rows, amx)
 
 
+def padded_rows(m: int) -> int:
+    """``m`` rounded up to a row bucket: a multiple of 16 below 1,024 rows, then of 1/32 of its power of two (under
+    ~3% more rows), so oneDNN meets ~32 row counts an octave instead of every step's own."""
+    return -(-m // (step := max(16, 1 << max(0, m.bit_length() - 6)))) * step
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """oneDNN's prepacked GEMM on ``x`` rounded to bf16, its rows padded to :func:`padded_rows`.
+
+    oneDNN builds (JIT-compiles) a primitive per distinct row count, ~3-5 ms per weight shape (AMX Xeon), and a
+    serving step's row count (decode rows plus a prefill chunk) is new almost every step. The rounding and the
+    padding are one copy; padded rows are zeros and their outputs are sliced away. A kept row's value is the one
+    oneDNN computes for the padded count, which may differ from the unpadded count's in summation order (one bf16
+    ulp in ~1 of 6,000 outputs at 33 -> 48 rows): oneDNN's kernel choice already depends on the row count.
+    """
+    m = x.shape[0]
+    mp = padded_rows(m)
+    if mp == m:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
+    xp = x.new_empty((mp, x.shape[1]), dtype=torch.bfloat16)
+    xp[:m].copy_(x)
+    xp[m:].zero_()
+    return torch.ops.mkldnn._linear_pointwise(xp, packed, None, "none", [], "")[:m]
+
+
 def bf16_linear(x: torch.Tensor, w: PackedBF16, b: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [T, K] @ w.T (+ b)`` as a bf16 GEMM, returned in ``out_dtype`` (default ``x``'s; bias added in it)."""
     out_dtype = out_dtype or x.dtype
-    xb = x.to(torch.bfloat16)
-    if w.amx is not None and xb.shape[0] <= AMX_MAX_ROWS:
-        y = torch.ops.pagedllm.amx_linear_bf16(xb, w.amx, w.shape[0])
+    if w.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+        y = torch.ops.pagedllm.amx_linear_bf16(x.to(torch.bfloat16), w.amx, w.shape[0])
     elif w.prepacked:
-        y = torch.ops.mkldnn._linear_pointwise(xb, w.data, None, "none", [], "")
+        y = _onednn_linear(x, w.data)
     else:
-        y = F.linear(xb, w.data)
+        y = F.linear(x.to(torch.bfloat16), w.data)
     y = y.to(out_dtype)
     return y if b is None else y.add_(b.to(out_dtype))

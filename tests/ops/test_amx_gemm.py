@@ -1,20 +1,24 @@
 """The AMX bf16 GEMM (``ops/csrc/amx_gemm.cpp``) and where ``bf16_linear`` takes it: it computes the bf16 product
-of fp32 arithmetic on bf16 inputs, rounded to bf16, for every padding case (N not a multiple of 16, K not of 32,
-1-64 rows); on AMX CPUs decode-sized GEMMs of packed matrices go to it, larger ones to oneDNN; elsewhere no matrix
-gets the copy."""
+of fp32 arithmetic on bf16 inputs, rounded to bf16, for every padding case (N not a multiple of 16, K not of 32, M
+not of 16, odd row-tile and column-block counts at the 32 x 32 blocks' edges); on AMX CPUs GEMMs of up to
+AMX_MAX_ROWS rows of packed matrices go to it, larger ones to oneDNN with their rows padded to a bucket; elsewhere
+no matrix gets the copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedllm import ops
 from pagedllm.models import bf16_gemm
-from pagedllm.models.bf16_gemm import AMX_MAX_ROWS, PackedBF16, amx_bf16_available, bf16_linear
+from pagedllm.models.bf16_gemm import (AMX_MAX_ROWS, PackedBF16, amx_bf16_available, bf16_linear,
+                                      onednn_bf16_available, padded_rows)
 
 pytestmark = pytest.mark.skipif(not ops.load("amx_gemm"), reason="no C++ compiler")
 
-SHAPES = [(1, 64, 48), (5, 96, 64), (16, 576, 960), (17, 70, 100), (32, 1536, 576), (33, 40, 33), (64, 576, 3072)]
+SHAPES = [(1, 64, 48), (5, 96, 64), (16, 576, 960), (17, 70, 100), (32, 1536, 576), (33, 40, 33), (37, 64, 48),
+          (48, 576, 960), (64, 576, 3072), (100, 70, 112), (270, 576, 576)]
 
 
 @pytest.mark.parametrize("M,K,N", SHAPES)
@@ -32,15 +36,13 @@ def test_amx_linear_is_the_bf16_product_rounded_once(M, K, N):
 def test_amx_linear_refuses_what_it_was_not_packed_for():
     p = torch.ops.pagedllm.amx_pack_bf16(torch.zeros(48, 64, dtype=torch.bfloat16))
     assert p.shape == (3, 2, 16, 32)
-    with pytest.raises(RuntimeError, match="at most 64 rows"):
-        torch.ops.pagedllm.amx_linear_bf16(torch.zeros(65, 64, dtype=torch.bfloat16), p, 48)
     with pytest.raises(RuntimeError, match="do not fit"):
         torch.ops.pagedllm.amx_linear_bf16(torch.zeros(2, 96, dtype=torch.bfloat16), p, 48)
     with pytest.raises(RuntimeError, match="bf16"):
         torch.ops.pagedllm.amx_linear_bf16(torch.zeros(2, 64), p, 48)
 
 
-def test_bf16_linear_takes_the_amx_copy_for_decode_rows_only(monkeypatch):
+def test_bf16_linear_takes_the_amx_copy_up_to_its_rows(monkeypatch):
     """The dispatch, on every CPU: without tiles the op runs its ATen fallback, the same product."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(80, 64, generator=gen)
@@ -50,11 +52,43 @@ def test_bf16_linear_takes_the_amx_copy_for_decode_rows_only(monkeypatch):
     calls = []
     real = torch.ops.pagedllm.amx_linear_bf16
     monkeypatch.setattr(bf16_gemm.torch.ops.pagedllm, "amx_linear_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 200):
+    for rows in (1, 200, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=gen)
         ref = torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
         torch.testing.assert_close(bf16_linear(x, p), ref, rtol=2 ** -7, atol=1e-3)
-    assert calls == [1, AMX_MAX_ROWS]
+    assert calls == [1, 200, AMX_MAX_ROWS]
+
+
+def test_padded_rows_buckets():
+    """Every row count maps to a bucket at least as large, a multiple of 16, under 1/32 larger from 1,024 rows, and
+    each octave holds at most 32 buckets (oneDNN compiles a primitive per bucket, not per row count)."""
+    sizes = range(1, 8193)
+    buckets = [padded_rows(m) for m in sizes]
+    assert all(b >= m and b % 16 == 0 for m, b in zip(sizes, buckets))
+    assert all(b - m < max(16, m / 32) for m, b in zip(sizes, buckets))
+    for lo in (1024, 2048, 4096):
+        assert len({padded_rows(m) for m in range(lo, 2 * lo)}) <= 33
+    assert padded_rows(16) == 16 and padded_rows(270) == 272 and padded_rows(1691) == 1696
+
+
+def test_onednn_gets_padded_rows_and_the_kept_rows_product(monkeypatch):
+    """Where oneDNN runs bf16 the real prepacked primitive; elsewhere a stand-in for it (F.linear on the plain bf16
+    matrix), so the padding is checked on every CPU."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 64, generator=gen)
+    monkeypatch.setattr(bf16_gemm, "amx_bf16_available", lambda: False)
+    p = PackedBF16.of(w)
+    rows_seen = []
+    real = torch.ops.mkldnn._linear_pointwise if onednn_bf16_available() else lambda x, w, *a: F.linear(x, w)
+    monkeypatch.setattr(bf16_gemm.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
+    for rows in (33, 48, 1100):
+        x = torch.randn(rows, 64, generator=gen)
+        y = bf16_gemm._onednn_linear(x, p.data)
+        assert y.shape == (rows, 48) and y.dtype == torch.bfloat16
+        exact = x.bfloat16().double() @ w.bfloat16().double().T
+        torch.testing.assert_close(y.double(), exact, rtol=2 ** -8, atol=1e-3)
+    assert rows_seen == [48, 48, 1120]
 
 
 def test_amx_copy_can_be_turned_off(monkeypatch):

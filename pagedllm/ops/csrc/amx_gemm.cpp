@@ -1,17 +1,21 @@
-// y[M, N] = x[M, K] @ W[N, K]^T in bf16 on AMX tiles, for the small M of decode steps (AMX Xeons).
+// y[M, N] = x[M, K] @ W[N, K]^T in bf16 on AMX tiles (AMX Xeons), for decode steps and light-load prefills.
 //
-// At 1-64 rows oneDNN's prepacked bf16 GEMM streams the embedded model's weights at ~13 GB/s on 2 cores, half of
-// what the memory gives: the decode step's GEMMs are then bound by neither memory nor the tiles. Here W is packed
-// once into the tiles' VNNI layout, 16 output columns at a time, so that each thread streams one contiguous run of
-// memory (the hardware prefetcher's best case) and every weight byte loaded feeds all M rows: a B tile is used by
-// every A tile of the call before the next is loaded. Products accumulate in fp32 in the tiles (as oneDNN's do);
-// the result is rounded to bf16 like oneDNN's bf16 output. Only summation order differs from oneDNN's.
+// W is packed once into the tiles' VNNI layout, 16 output columns at a time. Products accumulate in fp32 in the
+// tiles (as oneDNN's do) and the result is rounded to bf16 like oneDNN's bf16 output: only summation order differs.
+// - Up to 16 rows (one row tile): each thread streams one contiguous run of the packing (the hardware prefetcher's
+//   best case) and each B tile is loaded once. oneDNN's prepacked GEMM streamed the embedded model's weights at
+//   ~13 GB/s on 2 cores there, half of what the memory gives: 11.0 ms for the 30 layers' GEMMs against 15.4.
+// - From 17 rows, 32 x 32 output blocks (2 x 2 tiles: four products per two A and two B loads). A thread owns
+//   column pairs; each pair's B stays in cache while every row pair passes it, and the next pair's B is prefetched
+//   into L2 meanwhile (without it, the first pass over a pair waited on memory: 51 -> 36 ms at 270 rows).
+//   oneDNN JIT-compiles a primitive per distinct row count (~15-20 ms for the embedded model's four shapes), which
+//   a prefill step with a new length pays; these kernels are compiled once.
+//   Measured (30 layers' GEMMs, weights out of cache, Xeon with AMX, 2 threads): 16.2 vs 20.1 ms at 32 rows,
+//   19.6 vs 25.5 at 64; at 270 rows 36 ms against oneDNN's 39-47 (and ~58-65 when it meets the row count first);
+//   level at 512; from ~1,000 rows oneDNN leads (121 vs 140 ms at 1,024), so callers keep larger GEMMs there.
 //
 // Packed layout [Nb, Kb, 16, 32] bf16: for column block nb (16 columns) and K block kb (32), one B tile of 16 rows kp
 // holding the pairs (W[n][kb*32 + 2kp], W[n][kb*32 + 2kp + 1]) of its columns n; zero past N and K.
-// Measured (the embedded model's 30 layers' GEMMs, weights out of cache, Xeon with AMX, 2 threads): 11.0 ms at 1-16
-// rows against oneDNN's 15.4-15.6, 14.6 against 18.6 at 32; from 48 rows oneDNN led (16.4 vs 15.6 ms), so callers
-// keep it for decode-sized GEMMs.
 #include "ops_common.h"
 
 #include <omp.h>
@@ -19,7 +23,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
@@ -27,8 +30,6 @@ using namespace pagedllm_ops;
 
 constexpr int64_t TN = 16;  // output columns per block (one B tile)
 constexpr int64_t TK = 32;  // K per tile step (32 bf16 = one 64-byte tile row)
-constexpr int64_t MAX_M = 64;  // rows per call: four 16-row accumulator tiles
-
 // where W[n][k] sits in the packing (see the header): tile (n / 16, k / 32), row (k % 32) / 2, pair n % 16, half k % 2
 inline int64_t packed_index(int64_t n, int64_t k, int64_t Kb) {
   return ((n / TN) * Kb + k / TK) * 16 * 32 + ((k % TK) / 2) * 32 + (n % TN) * 2 + (k % 2);
@@ -60,58 +61,73 @@ torch::Tensor amx_unpack_bf16(const torch::Tensor& packed, int64_t N, int64_t K)
 }
 
 #ifdef PAGEDLLM_AMX
-// One column block (16 columns) for all MT * 16 rows of xp (Kb * 32 columns, zero padded), in one pass over K: each
-// B tile is loaded once and feeds the MT row tiles (accumulators: tiles 0..MT-1; A and B double buffered in 4/6,
-// 5/7 so a load does not wait for the product that reads the previous one).
-template <int MT>
-inline void column_block(const uint16_t* xp, int64_t Kb, const uint16_t* wblock, float* cbuf, at::BFloat16* y,
-                         int64_t M, int64_t N, int64_t n0) {
-  const int64_t xstride = Kb * TK * 2, rstride = 16 * Kb * TK;
-  if constexpr (MT > 0) _tile_zero(0);
-  if constexpr (MT > 1) _tile_zero(1);
-  if constexpr (MT > 2) _tile_zero(2);
-  if constexpr (MT > 3) _tile_zero(3);
+// One column block (16 columns) for the one row tile at a (row stride xstride bytes), in one pass over K: each
+// B tile is loaded once (accumulator: tile 0; A and B double buffered in 4/6, 5/7 so a load does not wait for the
+// product that reads the previous one). cbuf: [16, 16] fp32.
+inline void column_block(const uint16_t* a, int64_t xstride, int64_t Kb, const uint16_t* wblock, float* cbuf) {
+  _tile_zero(0);
   for (int64_t kb = 0; kb < Kb; kb += 2) {
-    const uint16_t* a = xp + kb * TK;
     const uint16_t* b = wblock + kb * 16 * 32;
-    const bool two = kb + 1 < Kb;
     _tile_loadd(5, b, 64);
-    if (two) _tile_loadd(7, b + 16 * 32, 64);
-#define PAGEDLLM_AMX_ROW(t)                                                    \
-    if constexpr (MT > t) {                                                    \
-      _tile_loadd(4, a + t * rstride, xstride);                               \
-      _tile_dpbf16ps(t, 4, 5);                                                 \
-      if (two) {                                                               \
-        _tile_loadd(6, a + t * rstride + TK, xstride);                        \
-        _tile_dpbf16ps(t, 6, 7);                                               \
-      }                                                                        \
+    _tile_loadd(4, a + kb * TK, xstride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (kb + 1 < Kb) {
+      _tile_loadd(7, b + 16 * 32, 64);
+      _tile_loadd(6, a + (kb + 1) * TK, xstride);
+      _tile_dpbf16ps(0, 6, 7);
     }
-    PAGEDLLM_AMX_ROW(0)
-    PAGEDLLM_AMX_ROW(1)
-    PAGEDLLM_AMX_ROW(2)
-    PAGEDLLM_AMX_ROW(3)
-#undef PAGEDLLM_AMX_ROW
   }
-  if constexpr (MT > 0) _tile_stored(0, cbuf, 64);
-  if constexpr (MT > 1) _tile_stored(1, cbuf + 256, 64);
-  if constexpr (MT > 2) _tile_stored(2, cbuf + 512, 64);
-  if constexpr (MT > 3) _tile_stored(3, cbuf + 768, 64);
-  const int64_t cols = std::min(TN, N - n0);
-  for (int64_t r = 0; r < M; ++r) {
-    at::BFloat16* yr = y + r * N + n0;
-    const float* c = cbuf + r * TN;
-    if (cols == TN) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)));
-    } else {
-      for (int64_t j = 0; j < cols; ++j) yr[j] = at::BFloat16(c[j]);
+  _tile_stored(0, cbuf, 64);
+}
+
+// A 32 x 32 output block (row tiles at a0 and a1, row stride xstride bytes; column blocks b, b + one block's
+// packing) in one pass over K: each K step loads two A and two B tiles for four products (accumulators 0-3, A in
+// 4/5, B in 6/7). TWO_M / TWO_N: whether the second row tile / column block exists (odd counts at the edges).
+// Each K step also prefetches pf_lines cache lines from pf into L2 (the next column pair's B).
+// cbuf: [32, 32] fp32.
+template <bool TWO_M, bool TWO_N>
+inline void block_2x2(const uint16_t* a0, const uint16_t* a1, int64_t xstride, int64_t Kb, const uint16_t* b,
+                      float* cbuf, const char* pf, int64_t pf_lines) {
+  const int64_t bstride = Kb * 16 * 32;
+  _tile_zero(0);
+  if constexpr (TWO_N) _tile_zero(1);
+  if constexpr (TWO_M) _tile_zero(2);
+  if constexpr (TWO_M && TWO_N) _tile_zero(3);
+  for (int64_t kb = 0; kb < Kb; ++kb) {
+    for (int64_t l = 0; l < pf_lines; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+    pf += pf_lines * 64;
+    _tile_loadd(4, a0 + kb * TK, xstride);
+    _tile_loadd(6, b + kb * 16 * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TWO_N) {
+      _tile_loadd(7, b + bstride + kb * 16 * 32, 64);
+      _tile_dpbf16ps(1, 4, 7);
     }
+    if constexpr (TWO_M) {
+      _tile_loadd(5, a1 + kb * TK, xstride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (TWO_N) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 128);
+  if constexpr (TWO_N) _tile_stored(1, cbuf + 16, 128);
+  if constexpr (TWO_M) _tile_stored(2, cbuf + 16 * 32, 128);
+  if constexpr (TWO_M && TWO_N) _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+}
+
+// rows x cols of c (row stride cstride floats) rounded to bf16 into y (row stride N)
+inline void store_rows(const float* c, int64_t cstride, at::BFloat16* y, int64_t N, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r, c += cstride, y += N) {
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + j)));
+    for (; j < cols; ++j) y[j] = at::BFloat16(c[j]);
   }
 }
 #endif
 
 torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear_bf16: x must be a 2-d bf16 matrix");
-  TORCH_CHECK(x.size(0) <= MAX_M, "amx_linear_bf16: at most 64 rows (larger GEMMs go to oneDNN)");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 &&
                   packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               "amx_linear_bf16: packed must come from amx_pack_bf16");
@@ -121,29 +137,59 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N) 
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef PAGEDLLM_AMX
-  // x zero padded to [MT * 16, Kb * 32]: A tiles are whole 16 x 32 tiles
-  const int64_t MT = (M + 15) / 16, Kp = Kb * TK;
-  std::vector<uint16_t> xp(MT * 16 * Kp, 0);
+  // A tiles are whole 16 x 32 tiles. Where K is a multiple of 32 the full row tiles are read from x in place; the
+  // rest (a last partial tile, or every row where K is not) is copied into a zero-padded [.., Kb * 32] buffer.
+  const int64_t MT = (M + 15) / 16, Kp = Kb * TK, xstride = Kp * 2;
   auto xc = x.contiguous();
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  for (int64_t r = 0; r < M; ++r) std::memcpy(xp.data() + r * Kp, xs + r * K, K * 2);
+  const int64_t direct = K == Kp ? M / 16 * 16 : 0;  // rows read in place
+  auto tail_t = torch::zeros({MT * 16 - direct, Kp}, x.options());
+  uint16_t* tail = reinterpret_cast<uint16_t*>(tail_t.data_ptr<at::BFloat16>());
+  for (int64_t r = direct; r < M; ++r) std::memcpy(tail + (r - direct) * Kp, xs + r * K, K * 2);
+  auto row_tile = [&](int64_t t) { return t * 16 < direct ? xs + t * 16 * K : tail + (t * 16 - direct) * Kp; };
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), Nb));
+  if (MT == 1) {
+    const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), Nb));
+#pragma omp parallel num_threads(nthreads)
+    {
+      const TileConfig cfg;
+      _tile_loadconfig(&cfg);
+      alignas(64) float cbuf[16 * 16];
+      // static: each thread streams one contiguous run of the packed weight
+#pragma omp for schedule(static)
+      for (int64_t nb = 0; nb < Nb; ++nb) {
+        column_block(row_tile(0), xstride, Kb, w + nb * Kb * 16 * 32, cbuf);
+        store_rows(cbuf, 16, yp + nb * TN, N, M, std::min(TN, N - nb * TN));
+      }
+      _tile_release();
+    }
+    return y;
+  }
+  const int64_t NP = (Nb + 1) / 2, MP = (MT + 1) / 2;
+  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), NP));
 #pragma omp parallel num_threads(nthreads)
   {
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
-    alignas(64) float cbuf[MAX_M * TN];
-    // static: each thread streams one contiguous run of the packed weight
+    alignas(64) float cbuf[32 * 32];
+    // static over column pairs: a thread's B pair stays in cache while every row pair passes it
 #pragma omp for schedule(static)
-    for (int64_t nb = 0; nb < Nb; ++nb) {
-      const uint16_t* blk = w + nb * Kb * 16 * 32;
-      switch (MT) {
-        case 1: column_block<1>(xp.data(), Kb, blk, cbuf, yp, M, N, nb * TN); break;
-        case 2: column_block<2>(xp.data(), Kb, blk, cbuf, yp, M, N, nb * TN); break;
-        case 3: column_block<3>(xp.data(), Kb, blk, cbuf, yp, M, N, nb * TN); break;
-        default: column_block<4>(xp.data(), Kb, blk, cbuf, yp, M, N, nb * TN); break;
+    for (int64_t np = 0; np < NP; ++np) {
+      const uint16_t* b = w + 2 * np * Kb * 16 * 32;
+      const bool two_n = 2 * np + 1 < Nb;
+      // the next column pair's B (up to 2 * Kb tiles of 16 lines), spread over this pair's row pairs and K steps
+      const int64_t pf_lines = np + 1 < NP ? (2 * Kb * 16 + MP * Kb - 1) / (MP * Kb) : 0;
+      const char* pf = reinterpret_cast<const char*>(b + 2 * Kb * 16 * 32);
+      for (int64_t mp = 0; mp < MP; ++mp, pf += Kb * pf_lines * 64) {
+        const uint16_t *a0 = row_tile(2 * mp), *a1 = 2 * mp + 1 < MT ? row_tile(2 * mp + 1) : a0;
+        const bool two_m = 2 * mp + 1 < MT;
+        if (two_m && two_n) block_2x2<true, true>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
+        else if (two_m) block_2x2<true, false>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
+        else if (two_n) block_2x2<false, true>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
+        else block_2x2<false, false>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
+        store_rows(cbuf, 32, yp + 32 * mp * N + 32 * np, N, std::min<int64_t>(32, M - 32 * mp),
+                   std::min<int64_t>(32, N - 32 * np));
       }
     }
     _tile_release();
