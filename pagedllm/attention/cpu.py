@@ -39,6 +39,9 @@ from pagedllm.kv.kv_quant import QuantizedKV
 # sequence, SmolLM2's heads (9 q, 3 kv, D 64), a layer's write + attend, AMX Xeon, 2 threads (kernel / SDPA ms):
 # 64 x 64 0.071 / 0.108, 128 x 128 0.18 / 0.18, 32 x 512 0.24 / 0.25, 256 x 256 0.61 / 0.40, 64 x 1024 0.91 / 0.57,
 # 512 x 2048 13.3 / 5.4. SDPA's gathers and casts cost ~50 us a call; its flash tiles win from ~16k pairs.
+# The AMX kernel has no such cost and takes every chunk of BF16_SDPA_MIN_LEN queries: one-at-a-time prefills of
+# 128 / 180 random tokens 52-56 / 67-75 -> 48-50 / 61-67 ms; a step of 2,048 W1 prompt tokens 80 -> 53 ms of
+# attention (AMX Xeon, 2 threads).
 BF16_SDPA_MIN_LEN = int(os.environ.get("PAGEDLLM_BF16_SDPA_MIN_LEN", "32"))
 BF16_SDPA_MIN_PAIRS = 1 << 15
 
@@ -108,9 +111,11 @@ class CpuBackend:
         if key not in meta.extra:
             if mode is None:
                 use = [False] * meta.num_seqs
-            elif mode in ("bf16", "amx"):
+            elif mode == "bf16":
                 use = [q >= BF16_SDPA_MIN_LEN and q * s >= BF16_SDPA_MIN_PAIRS
                        for q, s in zip(meta.query_lens_list, meta.seq_lens_list)]
+            elif mode == "amx":  # no gathers or casts to amortize: every chunk of BF16_SDPA_MIN_LEN queries
+                use = [q >= BF16_SDPA_MIN_LEN for q in meta.query_lens_list]
             else:
                 use = [q >= self.sdpa_prefill_min_len for q in meta.query_lens_list]
             runs, b = [], 0

@@ -133,6 +133,18 @@ def test_cpu_long_prefill_chunks_over_a_bf16_pool_run_flash_sdpa_in_bf16(cpu_bac
     qkv = torch.cat([d.q.flatten(1), d.k.flatten(1), d.v.flatten(1)], 1)
     assert _flash_calls(lambda: backend.forward_qkv(qkv, 9, d.k_cache.clone(), d.v_cache.clone(), d.meta,
                                                     d.scale)) == 0
+
+
+def test_cpu_amx_mode_takes_every_chunk_of_min_len_queries(cpu_backend):
+    """The AMX tile kernel has no gathers to amortize: chunks of BF16_SDPA_MIN_LEN queries go to it whatever their
+    (query, key) pairs, decodes and shorter chunks stay on the paged kernel (the rule, on any CPU)."""
+    from pagedllm.attention import cpu
+
+    backend = cpu.CpuBackend()
+    ql, sl = [1, cpu.BF16_SDPA_MIN_LEN - 1, cpu.BF16_SDPA_MIN_LEN, 40, 300], [700, 40, 32, 300, 300]
+    b = make_random_batch(ql, sl, block_size=32, cache_dtype=torch.bfloat16)
+    assert backend._runs(b.meta, "amx") == [(0, 2, False), (2, 5, True)]
+    assert backend._runs(b.meta, "bf16") == [(0, 4, False), (4, 5, True)]
     f = make_random_batch(ql, sl, block_size=16)
     assert _flash_calls(lambda: run_backend(backend, f)) == 0
     _check(backend, ql, sl, atol=1e-5)
