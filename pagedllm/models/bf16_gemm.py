@@ -14,8 +14,9 @@ model's layer GEMMs, 30 layers out of cache, 2 cores):
 - decode: oneDNN streamed the weights at ~13 GB/s of the ~25 the memory gives (16.5 vs 13.6 ms at 1 row, 20.7 vs
   15.8 at 32, 23.9 vs 20.6 at 64);
 - prefill: oneDNN JIT-compiles a primitive per distinct row count (~15-20 ms for the four shapes), so a prompt of
-  a length it had not met cost 54 ms at 270 rows against 40 once met; the tiles took 39-43 either way. oneDNN
-  leads from ~1,000 rows (164 vs 272 ms at 1,691).
+  a length it had not met cost 54 ms at 270 rows against 40 once met; the tiles took 39-43 either way. Same run,
+  both compiled: 86 vs 73 ms at 512 rows, 133 vs 107 at 768, 154 vs 142 at 1,024; oneDNN leads from ~1,100 rows
+  (149 vs 164 ms at 1,152, 199 vs 373 at 2,048).
 Larger GEMMs go to oneDNN with their rows padded to a bucket (:func:`padded_rows`), so a process compiles ~32
 primitives an octave, not one per row count.
 
@@ -36,7 +37,7 @@ from pagedllm import ops
 from pagedllm.config.device import cpu_has_amx_bf16
 
 # GEMMs of at most this many rows run on the AMX copy where there is one (see the module docstring)
-AMX_MAX_ROWS = 768
+AMX_MAX_ROWS = 1024
 
 
 @functools.cache

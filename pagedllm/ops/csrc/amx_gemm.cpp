@@ -10,9 +10,12 @@
 //   into L2 meanwhile (without it, the first pass over a pair waited on memory: 51 -> 36 ms at 270 rows).
 //   oneDNN JIT-compiles a primitive per distinct row count (~15-20 ms for the embedded model's four shapes), which
 //   a prefill step with a new length pays; these kernels are compiled once.
-//   Measured (30 layers' GEMMs, weights out of cache, Xeon with AMX, 2 threads): 16.2 vs 20.1 ms at 32 rows,
-//   19.6 vs 25.5 at 64; at 270 rows 36 ms against oneDNN's 39-47 (and ~58-65 when it meets the row count first);
-//   level at 512; from ~1,000 rows oneDNN leads (121 vs 140 ms at 1,024), so callers keep larger GEMMs there.
+//   Measured (30 layers' GEMMs, weights out of cache, Xeon with AMX, 2 threads; the VM drifts, so pairs are from
+//   one run): 16.2 vs 20.1 ms at 32 rows, 19.6 vs 25.5 at 64; at 270 rows 36 ms against oneDNN's 39-47 (~58-65
+//   when it meets the row count first); 73 vs 86 at 512, 142 vs 154 at 1,024; from ~1,100 rows oneDNN leads
+//   (164 vs 149 at 1,152, 373 vs 199 at 2,048: a chunk's A no longer stays in L2), so callers keep those there.
+//   Tried and left out: prefetching A two K steps ahead into L1, B two column pairs ahead, 256-row chunks (these
+//   helped only past 1,100 rows, still behind oneDNN).
 //
 // Packed layout [Nb, Kb, 16, 32] bf16: for column block nb (16 columns) and K block kb (32), one B tile of 16 rows kp
 // holding the pairs (W[n][kb*32 + 2kp], W[n][kb*32 + 2kp + 1]) of its columns n; zero past N and K.
