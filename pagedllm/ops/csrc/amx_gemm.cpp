@@ -152,33 +152,23 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N) 
   auto row_tile = [&](int64_t t) { return t * 16 < direct ? xs + t * 16 * K : tail + (t * 16 - direct) * Kp; };
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  if (MT == 1) {
-    const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), Nb));
-#pragma omp parallel num_threads(nthreads)
-    {
-      const TileConfig cfg;
-      _tile_loadconfig(&cfg);
-      alignas(64) float cbuf[16 * 16];
-      // static: each thread streams one contiguous run of the packed weight
-#pragma omp for schedule(static)
-      for (int64_t nb = 0; nb < Nb; ++nb) {
-        column_block(row_tile(0), xstride, Kb, w + nb * Kb * 16 * 32, cbuf);
-        store_rows(cbuf, 16, yp + nb * TN, N, M, std::min(TN, N - nb * TN));
-      }
-      _tile_release();
-    }
-    return y;
-  }
-  const int64_t NP = (Nb + 1) / 2, MP = (MT + 1) / 2;
-  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), NP));
+  // one row tile: a task per column block, each thread streaming one contiguous run of the packed weight; more:
+  // a task per column pair, whose B stays in cache while every row pair passes it (static: runs stay contiguous)
+  const int64_t NP = (Nb + 1) / 2, MP = (MT + 1) / 2, tasks = MT == 1 ? Nb : NP;
+  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), tasks));
 #pragma omp parallel num_threads(nthreads)
   {
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
     alignas(64) float cbuf[32 * 32];
-    // static over column pairs: a thread's B pair stays in cache while every row pair passes it
 #pragma omp for schedule(static)
-    for (int64_t np = 0; np < NP; ++np) {
+    for (int64_t task = 0; task < tasks; ++task) {
+      if (MT == 1) {
+        column_block(row_tile(0), xstride, Kb, w + task * Kb * 16 * 32, cbuf);
+        store_rows(cbuf, 16, yp + task * TN, N, M, std::min(TN, N - task * TN));
+        continue;
+      }
+      const int64_t np = task;
       const uint16_t* b = w + 2 * np * Kb * 16 * 32;
       const bool two_n = 2 * np + 1 < Nb;
       // the next column pair's B (up to 2 * Kb tiles of 16 lines), spread over this pair's row pairs and K steps
