@@ -86,6 +86,8 @@ def _cases() -> list[tuple[str, tuple, dict]]:
         ("amx_pack_bf16", (torch.randn(40, 70, generator=g).bfloat16(),), {}),
         ("amx_linear_bf16", (torch.randn(3, 70, generator=g).bfloat16(),
                              torch.ops.pagedllm.amx_pack_bf16(torch.randn(40, 70, generator=g).bfloat16()), 40), {}),
+        ("amx_linear_silu_bf16", (torch.randn(20, 70, generator=g).bfloat16(),
+                                  torch.ops.pagedllm.amx_pack_bf16(torch.randn(64, 70, generator=g).bfloat16()), 64), {}),
         ("lora_bgmv", (torch.randn(3, 20, generator=g), torch.randn(3, 12, generator=g),
                        torch.randn(2, 2, 4, 12, generator=g), [torch.randn(2, 4, 8), torch.randn(2, 4, 5)], [0, 9],
                        torch.tensor([1, -1, 0])), {}),

@@ -123,3 +123,12 @@ def bf16_linear(x: torch.Tensor, w: PackedBF16, b: torch.Tensor | None = None,
         y = F.linear(x.to(torch.bfloat16), w.data)
     y = y.to(out_dtype)
     return y if b is None else y.add_(b.to(out_dtype))
+
+
+def bf16_linear_silu(x: torch.Tensor, w: PackedBF16) -> torch.Tensor | None:
+    """``silu(gate) * up`` in bf16 of ``x @ w.T`` (gate: ``w``'s first half of rows) in one pass on the AMX copy: the
+    bits of the bf16 ``silu_mul`` over :func:`bf16_linear`'s bf16 output, without writing that output and reading it
+    back. None where the copy does not take ``x``'s rows (or gate/up are not whole 16-column blocks)."""
+    if w.amx is None or not w.min_rows <= x.shape[0] <= AMX_MAX_ROWS or w.shape[0] % 32:
+        return None
+    return torch.ops.pagedllm.amx_linear_silu_bf16(x.to(torch.bfloat16), w.amx, w.shape[0])

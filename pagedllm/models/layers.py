@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import ops
-from pagedllm.models.bf16_gemm import PackedBF16, bf16_linear
+from pagedllm.models.bf16_gemm import PackedBF16, bf16_linear, bf16_linear_silu
 from pagedllm.models.quant import QuantizedWeight, quantized_linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -109,6 +109,19 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> tor
     g = gate_up if out_dtype is None else gate_up.float()
     y = F.silu(g[..., :inter]).mul_(g[..., inter:])
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | PackedBF16, upcast: bool = False,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``silu_mul(linear(x, w), out_dtype)`` for a fused gate/up matrix ``w``, the same bits. With a bf16 result
+    from a bf16 GEMM on an AMX copy, one pass (``bf16_gemm.bf16_linear_silu``) instead of the GEMM writing
+    ``[T, 2I]`` and ``silu_mul`` reading it back (AMX Xeon, 2 threads, the 30 layers' gate/up: MEASURED)."""
+    packed = w.bf16 if isinstance(w, QuantizedWeight) else w if isinstance(w, PackedBF16) else None
+    if out_dtype == torch.bfloat16 and packed is not None and x.dim() == 2:
+        y = bf16_linear_silu(x, packed)
+        if y is not None:
+            return y
+    return silu_mul(linear(x, w, None, upcast), out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,8 +20,8 @@ from pagedllm.models.bf16_gemm import PackedBF16, onednn_bf16_available
 from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.models.decode_layer import decode_layer, fused_layer_applies
-from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear, rms_norm,
-                                    rope_cos_sin, rope_widened, silu_mul)
+from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear,
+                                    linear_silu_mul, rms_norm, rope_cos_sin, rope_widened, silu_mul)
 from pagedllm.models.quant import (MATRICES, QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks,
                                    resolve_auto)
 
@@ -103,10 +103,12 @@ class LlamaDecoderLayer(nn.Module):
         if self.tp is not None:
             self.tp.all_reduce(o)
         x = add_rms_norm_(h, o, self.post_norm, self.eps, lowp)
-        gate_up = linear(x, self.gate_up_weight, None, up)
-        if lora is not None:
+        if lora is None:
+            act = linear_silu_mul(x, self.gate_up_weight, up, lowp)
+        else:
+            gate_up = linear(x, self.gate_up_weight, None, up)
             lora.add_(self.index, "gate_up", gate_up, x)
-        act = silu_mul(gate_up, lowp)
+            act = silu_mul(gate_up, lowp)
         down = linear(act, self.down_weight, None, up)
         if lora is not None:
             lora.add_(self.index, "down", down, act)

@@ -156,6 +156,11 @@ def _amx_linear_bf16(x, packed, N) -> torch.Tensor:
     return x.new_empty((x.shape[0], N))
 
 
+@_fake("amx_gemm", "amx_linear_silu_bf16")
+def _amx_linear_silu_bf16(x, packed, N) -> torch.Tensor:
+    return x.new_empty((x.shape[0], N // 2))
+
+
 @_fake("amx_attention", "prefill_attention_amx")
 def _prefill_attention_amx(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale, first,
                            end) -> None:

@@ -33,6 +33,25 @@ def test_amx_linear_is_the_bf16_product_rounded_once(M, K, N):
     assert torch.equal(y[:1], torch.ops.pagedllm.amx_linear_bf16(x[:1], torch.ops.pagedllm.amx_pack_bf16(w), N))
 
 
+SILU_SHAPES = [(1, 576, 3072), (5, 64, 64), (17, 70, 96), (33, 576, 3072), (100, 70, 64), (270, 576, 3072)]
+
+
+@pytest.mark.parametrize("M,K,N", SILU_SHAPES)
+def test_amx_linear_silu_is_silu_mul_of_the_product(M, K, N):
+    """The fused gate/up op returns silu(gate) * up of the product's bf16 output: on the tiles, silu_mul's own bits
+    (one row tile and 2 x 2 blocks, K and M padding); through its ATen fallback elsewhere, the same to rounding."""
+    gen = torch.Generator().manual_seed(M * 7 + N)
+    w, x = torch.randn(N, K, generator=gen).bfloat16(), torch.randn(M, K, generator=gen).bfloat16()
+    p = torch.ops.pagedllm.amx_pack_bf16(w)
+    y = torch.ops.pagedllm.amx_linear_silu_bf16(x, p, N)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N // 2)
+    gate_up = torch.ops.pagedllm.amx_linear_bf16(x, p, N)
+    if amx_bf16_available() and ops.load("fused_ops"):
+        assert torch.equal(y, torch.ops.pagedllm.silu_mul(gate_up, True))
+    g, u = gate_up.double().chunk(2, 1)
+    torch.testing.assert_close(y.double(), g * torch.sigmoid(g) * u, rtol=2 ** -7, atol=1e-3)
+
+
 def test_amx_linear_refuses_what_it_was_not_packed_for():
     p = torch.ops.pagedllm.amx_pack_bf16(torch.zeros(48, 64, dtype=torch.bfloat16))
     assert p.shape == (3, 2, 16, 32)
@@ -40,6 +59,8 @@ def test_amx_linear_refuses_what_it_was_not_packed_for():
         torch.ops.pagedllm.amx_linear_bf16(torch.zeros(2, 96, dtype=torch.bfloat16), p, 48)
     with pytest.raises(RuntimeError, match="bf16"):
         torch.ops.pagedllm.amx_linear_bf16(torch.zeros(2, 64), p, 48)
+    with pytest.raises(RuntimeError, match="multiple of 16 columns each"):
+        torch.ops.pagedllm.amx_linear_silu_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), p, 48)
 
 
 def test_bf16_linear_takes_the_amx_copy_up_to_its_rows(monkeypatch):
@@ -57,6 +78,34 @@ def test_bf16_linear_takes_the_amx_copy_up_to_its_rows(monkeypatch):
         ref = torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
         torch.testing.assert_close(bf16_linear(x, p), ref, rtol=2 ** -7, atol=1e-3)
     assert calls == [1, 200, AMX_MAX_ROWS]
+
+
+def test_gate_up_takes_the_fused_op_on_the_amx_copy_only(monkeypatch):
+    """``layers.linear_silu_mul``: with a bf16 result on the AMX copy's rows, the fused op, the bits of
+    ``silu_mul(linear(...))``; with an fp32 result, past AMX_MAX_ROWS or without the copy, that pair itself."""
+    from pagedllm.models import layers
+
+    real_amx = amx_bf16_available()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 64, generator=gen)
+    monkeypatch.setattr(bf16_gemm, "amx_bf16_available", lambda: True)
+    p, plain = PackedBF16.of(w), torch.randn(64, 64, generator=gen)
+    calls = []
+    real = torch.ops.pagedllm.amx_linear_silu_bf16
+    monkeypatch.setattr(bf16_gemm.torch.ops.pagedllm, "amx_linear_silu_bf16",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows, out in ((3, torch.bfloat16), (40, torch.bfloat16), (40, None), (AMX_MAX_ROWS + 1, torch.bfloat16)):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        y = layers.linear_silu_mul(x, p, False, out)
+        ref = layers.silu_mul(layers.linear(x, p), out)
+        assert y.dtype == ref.dtype and y.shape == (rows, 32)
+        if real_amx or rows > AMX_MAX_ROWS or out is None:
+            assert torch.equal(y, ref)
+        else:  # the op's ATen fallback off the tiles: the same to rounding
+            torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+    assert calls == [3, 40]
+    y = layers.linear_silu_mul(x[:5].float(), plain, False, None)  # a plain matrix: the pair
+    assert torch.equal(y, layers.silu_mul(layers.linear(x[:5].float(), plain), None))
 
 
 def test_padded_rows_buckets():

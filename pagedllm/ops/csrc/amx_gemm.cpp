@@ -83,27 +83,30 @@ inline void column_block(const uint16_t* a, int64_t xstride, int64_t Kb, const u
   _tile_stored(0, cbuf, 64);
 }
 
-// A 32 x 32 output block (row tiles at a0 and a1, row stride xstride bytes; column blocks b, b + one block's
-// packing) in one pass over K: each K step loads two A and two B tiles for four products (accumulators 0-3, A in
-// 4/5, B in 6/7). TWO_M / TWO_N: whether the second row tile / column block exists (odd counts at the edges).
-// Each K step also prefetches pf_lines cache lines from pf into L2 (the next column pair's B).
-// cbuf: [32, 32] fp32.
+// A 32 x 32 output block (row tiles at a0 and a1, row stride xstride bytes; column blocks at b0 and b1) in one pass
+// over K: each K step loads two A and two B tiles for four products (accumulators 0-3, A in 4/5, B in 6/7). TWO_M /
+// TWO_N: whether the second row tile / column block exists (odd counts at the edges). Each K step also prefetches
+// pf_lines cache lines from each of pf0 and pf1 into L2 (the next task's two column blocks).
+// cbuf: [32, 32] fp32, b0's columns first.
 template <bool TWO_M, bool TWO_N>
-inline void block_2x2(const uint16_t* a0, const uint16_t* a1, int64_t xstride, int64_t Kb, const uint16_t* b,
-                      float* cbuf, const char* pf, int64_t pf_lines) {
-  const int64_t bstride = Kb * 16 * 32;
+inline void block_2x2(const uint16_t* a0, const uint16_t* a1, int64_t xstride, int64_t Kb, const uint16_t* b0,
+                      const uint16_t* b1, float* cbuf, const char* pf0, const char* pf1, int64_t pf_lines) {
   _tile_zero(0);
   if constexpr (TWO_N) _tile_zero(1);
   if constexpr (TWO_M) _tile_zero(2);
   if constexpr (TWO_M && TWO_N) _tile_zero(3);
   for (int64_t kb = 0; kb < Kb; ++kb) {
-    for (int64_t l = 0; l < pf_lines; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-    pf += pf_lines * 64;
+    for (int64_t l = 0; l < pf_lines; ++l) {
+      _mm_prefetch(pf0 + l * 64, _MM_HINT_T1);
+      _mm_prefetch(pf1 + l * 64, _MM_HINT_T1);
+    }
+    pf0 += pf_lines * 64;
+    pf1 += pf_lines * 64;
     _tile_loadd(4, a0 + kb * TK, xstride);
-    _tile_loadd(6, b + kb * 16 * 32, 64);
+    _tile_loadd(6, b0 + kb * 16 * 32, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (TWO_N) {
-      _tile_loadd(7, b + bstride + kb * 16 * 32, 64);
+      _tile_loadd(7, b1 + kb * 16 * 32, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (TWO_M) {
@@ -118,77 +121,124 @@ inline void block_2x2(const uint16_t* a0, const uint16_t* a1, int64_t xstride, i
   if constexpr (TWO_M && TWO_N) _tile_stored(3, cbuf + 16 * 32 + 16, 128);
 }
 
-// rows x cols of c (row stride cstride floats) rounded to bf16 into y (row stride N)
-inline void store_rows(const float* c, int64_t cstride, at::BFloat16* y, int64_t N, int64_t rows, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r, c += cstride, y += N) {
+inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 and widened back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// rows of c (row stride cstride floats) into y (row stride ldy): with SILU, each row's 16 gate columns (c) and 16 up
+// columns (c + up) as silu(gate) * up, each rounded to bf16 first as the plain GEMM's output would be (so the
+// result is silu_mul's of that output, bit for bit); else cols columns rounded to bf16.
+template <bool SILU>
+inline void store_rows(const float* c, int64_t cstride, int64_t up, at::BFloat16* y, int64_t ldy, int64_t rows,
+                       int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r, c += cstride, y += ldy) {
+    if constexpr (SILU) {
+      const __m512 v = silu_mul16_bf16(round_bf16(_mm512_loadu_ps(c)), round_bf16(_mm512_loadu_ps(c + up)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+      continue;
+    }
     int64_t j = 0;
     for (; j + 16 <= cols; j += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + j)));
     for (; j < cols; ++j) y[j] = at::BFloat16(c[j]);
   }
 }
-#endif
 
-torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear_bf16: x must be a 2-d bf16 matrix");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 &&
-                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "amx_linear_bf16: packed must come from amx_pack_bf16");
-  const int64_t M = x.size(0), K = x.size(1), Nb = packed.size(0), Kb = packed.size(1);
-  TORCH_CHECK((K + TK - 1) / TK == Kb && (N + TN - 1) / TN == Nb, "amx_linear_bf16: x / N do not fit the packing");
-  if (!amx_usable()) return at::linear(x, amx_unpack_bf16(packed, N, K));  // same product, without the tiles
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
-#ifdef PAGEDLLM_AMX
-  // A tiles are whole 16 x 32 tiles. Where K is a multiple of 32 the full row tiles are read from x in place; the
-  // rest (a last partial tile, or every row where K is not) is copied into a zero-padded [.., Kb * 32] buffer.
-  const int64_t MT = (M + 15) / 16, Kp = Kb * TK, xstride = Kp * 2;
-  auto xc = x.contiguous();
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const int64_t direct = K == Kp ? M / 16 * 16 : 0;  // rows read in place
-  auto tail_t = torch::zeros({MT * 16 - direct, Kp}, x.options());
-  uint16_t* tail = reinterpret_cast<uint16_t*>(tail_t.data_ptr<at::BFloat16>());
-  for (int64_t r = direct; r < M; ++r) std::memcpy(tail + (r - direct) * Kp, xs + r * K, K * 2);
-  auto row_tile = [&](int64_t t) { return t * 16 < direct ? xs + t * 16 * K : tail + (t * 16 - direct) * Kp; };
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // one row tile: a task per column block, each thread streaming one contiguous run of the packed weight; more:
-  // a task per column pair, whose B stays in cache while every row pair passes it (static: runs stay contiguous)
-  const int64_t NP = (Nb + 1) / 2, MP = (MT + 1) / 2, tasks = MT == 1 ? Nb : NP;
+// The GEMM over the tasks of one tiling. Plain: a task is one column block (one row tile) or a column pair. SILU:
+// a task is gate block t with up block t + Nb / 2, and its 16 output columns are silu(gate) * up.
+// x's row tiles: full ones in place where K is a multiple of 32, the rest from a zero-padded copy
+struct RowTiles {
+  const uint16_t *xs, *tail;
+  int64_t direct, K, Kp;  // direct: rows read in place
+  const uint16_t* operator()(int64_t t) const { return t * 16 < direct ? xs + t * 16 * K : tail + (t * 16 - direct) * Kp; }
+};
+
+template <bool SILU>
+void run_tiles(const uint16_t* w, int64_t Nb, int64_t Kb, int64_t M, int64_t N, int64_t xstride,
+               const RowTiles& row_tile, at::BFloat16* yp, int64_t ldy) {
+  const int64_t MT = (M + 15) / 16, MP = (MT + 1) / 2, blk = Kb * 16 * 32;
+  const int64_t tasks = SILU ? Nb / 2 : MT == 1 ? Nb : (Nb + 1) / 2;
   const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), tasks));
 #pragma omp parallel num_threads(nthreads)
   {
     const TileConfig cfg;
     _tile_loadconfig(&cfg);
     alignas(64) float cbuf[32 * 32];
+    // static: a thread's tasks are one contiguous run of the packing (of each half, with SILU)
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task) {
-      if (MT == 1) {
-        column_block(row_tile(0), xstride, Kb, w + task * Kb * 16 * 32, cbuf);
-        store_rows(cbuf, 16, yp + task * TN, N, M, std::min(TN, N - task * TN));
+    for (int64_t t = 0; t < tasks; ++t) {
+      // the task's two column blocks, and whether the second exists
+      const uint16_t* b0 = w + (SILU || MT == 1 ? t : 2 * t) * blk;
+      const uint16_t* b1 = SILU ? b0 + Nb / 2 * blk : b0 + blk;
+      const bool two_n = SILU || (MT > 1 && 2 * t + 1 < Nb);
+      if (MT == 1) {  // one row tile: each column block streamed once
+        column_block(row_tile(0), xstride, Kb, b0, cbuf);
+        if (SILU) column_block(row_tile(0), xstride, Kb, b1, cbuf + 16 * 16);
+        store_rows<SILU>(cbuf, 16, 16 * 16, yp + t * TN, ldy, M, std::min(TN, N - t * TN));
         continue;
       }
-      const int64_t np = task;
-      const uint16_t* b = w + 2 * np * Kb * 16 * 32;
-      const bool two_n = 2 * np + 1 < Nb;
-      // the next column pair's B (up to 2 * Kb tiles of 16 lines), spread over this pair's row pairs and K steps
-      const int64_t pf_lines = np + 1 < NP ? (2 * Kb * 16 + MP * Kb - 1) / (MP * Kb) : 0;
-      const char* pf = reinterpret_cast<const char*>(b + 2 * Kb * 16 * 32);
-      for (int64_t mp = 0; mp < MP; ++mp, pf += Kb * pf_lines * 64) {
+      // the next task's blocks, spread over this task's row pairs and K steps
+      const int64_t pf_lines = t + 1 < tasks ? (Kb * 16 + MP * Kb - 1) / (MP * Kb) : 0;
+      const char* pf0 = reinterpret_cast<const char*>(SILU ? b0 + blk : b0 + 2 * blk);
+      const char* pf1 = reinterpret_cast<const char*>(SILU ? b1 + blk : b0 + 3 * blk);
+      for (int64_t mp = 0; mp < MP; ++mp, pf0 += Kb * pf_lines * 64, pf1 += Kb * pf_lines * 64) {
         const uint16_t *a0 = row_tile(2 * mp), *a1 = 2 * mp + 1 < MT ? row_tile(2 * mp + 1) : a0;
         const bool two_m = 2 * mp + 1 < MT;
-        if (two_m && two_n) block_2x2<true, true>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
-        else if (two_m) block_2x2<true, false>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
-        else if (two_n) block_2x2<false, true>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
-        else block_2x2<false, false>(a0, a1, xstride, Kb, b, cbuf, pf, pf_lines);
-        store_rows(cbuf, 32, yp + 32 * mp * N + 32 * np, N, std::min<int64_t>(32, M - 32 * mp),
-                   std::min<int64_t>(32, N - 32 * np));
+        if (two_m && two_n) block_2x2<true, true>(a0, a1, xstride, Kb, b0, b1, cbuf, pf0, pf1, pf_lines);
+        else if (two_m) block_2x2<true, false>(a0, a1, xstride, Kb, b0, b1, cbuf, pf0, pf1, pf_lines);
+        else if (two_n) block_2x2<false, true>(a0, a1, xstride, Kb, b0, b1, cbuf, pf0, pf1, pf_lines);
+        else block_2x2<false, false>(a0, a1, xstride, Kb, b0, b1, cbuf, pf0, pf1, pf_lines);
+        const int64_t rows = std::min<int64_t>(32, M - 32 * mp);
+        if (SILU) store_rows<true>(cbuf, 32, 16, yp + 32 * mp * ldy + t * TN, ldy, rows, TN);
+        else store_rows<false>(cbuf, 32, 0, yp + 32 * mp * ldy + 32 * t, ldy, rows, std::min<int64_t>(32, N - 32 * t));
       }
     }
     _tile_release();
   }
+}
+#endif
+
+// y = x @ W^T (SILU: silu(gate) * up of it, gate = W's first N / 2 rows) in bf16, W packed by amx_pack_bf16.
+torch::Tensor amx_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool silu, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be a 2-d bf16 matrix");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              name, ": packed must come from amx_pack_bf16");
+  const int64_t M = x.size(0), K = x.size(1), Nb = packed.size(0), Kb = packed.size(1);
+  TORCH_CHECK((K + TK - 1) / TK == Kb && (N + TN - 1) / TN == Nb, name, ": x / N do not fit the packing");
+  TORCH_CHECK(!silu || N % 32 == 0, name, ": gate and up need a multiple of 16 columns each");
+  if (!amx_usable()) {  // same product, without the tiles
+    auto y = at::linear(x, amx_unpack_bf16(packed, N, K));
+    if (!silu) return y;
+    auto g = y.narrow(1, 0, N / 2).to(at::kFloat);
+    return (g * at::sigmoid(g) * y.narrow(1, N / 2, N / 2).to(at::kFloat)).to(at::kBFloat16);
+  }
+  auto y = torch::empty({M, silu ? N / 2 : N}, x.options());
+  if (M == 0) return y;
+#ifdef PAGEDLLM_AMX
+  // A tiles are whole 16 x 32 tiles. Where K is a multiple of 32 the full row tiles are read from x in place; the
+  // rest (a last partial tile, or every row where K is not) is copied into a zero-padded [.., Kb * 32] buffer.
+  const int64_t MT = (M + 15) / 16, Kp = Kb * TK;
+  auto xc = x.contiguous();
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const int64_t direct = K == Kp ? M / 16 * 16 : 0;  // rows read in place
+  auto tail_t = torch::zeros({MT * 16 - direct, Kp}, x.options());
+  uint16_t* tail = reinterpret_cast<uint16_t*>(tail_t.data_ptr<at::BFloat16>());
+  for (int64_t r = direct; r < M; ++r) std::memcpy(tail + (r - direct) * Kp, xs + r * K, K * 2);
+  const RowTiles row_tile{xs, tail, direct, K, Kp};
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (silu) run_tiles<true>(w, Nb, Kb, M, N, Kp * 2, row_tile, y.data_ptr<at::BFloat16>(), N / 2);
+  else run_tiles<false>(w, Nb, Kb, M, N, Kp * 2, row_tile, y.data_ptr<at::BFloat16>(), N);
 #endif
   return y;
+}
+
+torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return amx_gemm(x, packed, N, false, "amx_linear_bf16");
+}
+
+torch::Tensor amx_linear_silu_bf16(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return amx_gemm(x, packed, N, true, "amx_linear_silu_bf16");
 }
 
 }  // namespace
@@ -197,9 +247,12 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.set_python_module("pagedllm.ops.fake");
   m.def("amx_pack_bf16(Tensor w) -> Tensor");
   m.def("amx_linear_bf16(Tensor x, Tensor packed, int N) -> Tensor");
+  // silu(gate) * up [M, N / 2] of the [M, N] product (gate: its first N / 2 columns), as silu_mul of its bf16 output
+  m.def("amx_linear_silu_bf16(Tensor x, Tensor packed, int N) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("amx_pack_bf16", &amx_pack_bf16);
   m.impl("amx_linear_bf16", &amx_linear_bf16);
+  m.impl("amx_linear_silu_bf16", &amx_linear_silu_bf16);
 }

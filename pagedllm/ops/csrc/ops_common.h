@@ -98,6 +98,13 @@ inline __m512 exp2_16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_maskz_scalef_ps(normal, p, n);
 }
+
+// silu(g) * u = g / (1 + exp(-g)) * u on 16 lanes, for results rounded to bf16 (exp(-g) as exp2_16(-g log2 e)):
+// the bf16 silu_mul and the AMX gate/up GEMM's epilogue compute it alike, so their results are the same bits.
+inline __m512 silu_mul16_bf16(__m512 g, __m512 u) {
+  const __m512 e = exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
 #endif
 #endif
 
