@@ -115,7 +115,8 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | PackedB
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``silu_mul(linear(x, w), out_dtype)`` for a fused gate/up matrix ``w``, the same bits. With a bf16 result
     from a bf16 GEMM on an AMX copy, one pass (``bf16_gemm.bf16_linear_silu``) instead of the GEMM writing
-    ``[T, 2I]`` and ``silu_mul`` reading it back (AMX Xeon, 2 threads, the 30 layers' gate/up: MEASURED)."""
+    ``[T, 2I]`` and ``silu_mul`` reading it back (AMX Xeon, 2 threads, the 30 layers' gate/up out of cache: 6.2 -> 4.9
+    ms at 64 rows, 25.3 -> 15.8 at 270, 69.2 -> 58.7 at 1,024)."""
     packed = w.bf16 if isinstance(w, QuantizedWeight) else w if isinstance(w, PackedBF16) else None
     if out_dtype == torch.bfloat16 and packed is not None and x.dim() == 2:
         y = bf16_linear_silu(x, packed)

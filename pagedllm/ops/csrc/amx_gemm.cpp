@@ -14,8 +14,12 @@
 //   one run): 16.2 vs 20.1 ms at 32 rows, 19.6 vs 25.5 at 64; at 270 rows 36 ms against oneDNN's 39-47 (~58-65
 //   when it meets the row count first); 73 vs 86 at 512, 142 vs 154 at 1,024; from ~1,100 rows oneDNN leads
 //   (164 vs 149 at 1,152, 373 vs 199 at 2,048: a chunk's A no longer stays in L2), so callers keep those there.
-//   Tried and left out: prefetching A two K steps ahead into L1, B two column pairs ahead, 256-row chunks (these
-//   helped only past 1,100 rows, still behind oneDNN).
+// - amx_linear_silu_bf16: the fused gate/up matrix with silu(gate) * up in the epilogue. A task pairs gate block t
+//   with up block t + Nb / 2, so a 2 x 2 block holds 16 gate and 16 up columns of 32 rows; each is rounded to bf16
+//   as the plain output would be, then silu_mul16_bf16: silu_mul's bits, without writing [M, 2I] and reading it
+//   back (the 30 layers' gate/up: 25.3 -> 15.8 ms at 270 rows, 69.2 -> 58.7 at 1,024).
+// Tried for the 2 x 2 blocks and left out: prefetching A two K steps ahead into L1, B two column pairs ahead,
+// 256-row chunks (these helped only past 1,100 rows, still behind oneDNN).
 //
 // Packed layout [Nb, Kb, 16, 32] bf16: for column block nb (16 columns) and K block kb (32), one B tile of 16 rows kp
 // holding the pairs (W[n][kb*32 + 2kp], W[n][kb*32 + 2kp + 1]) of its columns n; zero past N and K.
