@@ -137,8 +137,8 @@ inline void store_rows(const float* c, int64_t cstride, int64_t up, at::BFloat16
                        int64_t cols) {
   for (int64_t r = 0; r < rows; ++r, c += cstride, y += ldy) {
     if constexpr (SILU) {
-      const __m512 v = silu_mul16_bf16(round_bf16(_mm512_loadu_ps(c)), round_bf16(_mm512_loadu_ps(c + up)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+      // rounded as silu_mul rounds (store16 keeps subnormal results, which VCVTNEPS2BF16 would flush)
+      store16(y, silu_mul16_bf16(round_bf16(_mm512_loadu_ps(c)), round_bf16(_mm512_loadu_ps(c + up))));
       continue;
     }
     int64_t j = 0;
