@@ -148,8 +148,6 @@ inline void store_rows(const float* c, int64_t cstride, int64_t up, at::BFloat16
   }
 }
 
-// The GEMM over the tasks of one tiling. Plain: a task is one column block (one row tile) or a column pair. SILU:
-// a task is gate block t with up block t + Nb / 2, and its 16 output columns are silu(gate) * up.
 // x's row tiles: full ones in place where K is a multiple of 32, the rest from a zero-padded copy
 struct RowTiles {
   const uint16_t *xs, *tail;
@@ -157,6 +155,8 @@ struct RowTiles {
   const uint16_t* operator()(int64_t t) const { return t * 16 < direct ? xs + t * 16 * K : tail + (t * 16 - direct) * Kp; }
 };
 
+// The GEMM over the tasks of one tiling. Plain: a task is one column block (one row tile) or a column pair. SILU:
+// a task is gate block t with up block t + Nb / 2, and its 16 output columns are silu(gate) * up.
 template <bool SILU>
 void run_tiles(const uint16_t* w, int64_t Nb, int64_t Kb, int64_t M, int64_t N, int64_t xstride,
                const RowTiles& row_tile, at::BFloat16* yp, int64_t ldy) {
