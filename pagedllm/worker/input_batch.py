@@ -58,10 +58,12 @@ class InputBatch:
 
     # ---------------------------------------------------------------- rows
     def _grow(self, rows: int) -> None:
-        """Double the row tensors (rows are never moved, so row ids stay valid)."""
+        """Double the row tensors (rows are never moved, so row ids stay valid). They are made as normal tensors
+        even when a step (under inference mode) grows them: a deferred step's ids are recorded later, outside it."""
         old = self.token_ids.shape[0]
         new = max(rows, 2 * old, 1)
 
+        @torch.inference_mode(False)
         def widen(t: torch.Tensor) -> torch.Tensor:
             out = torch.zeros((new, *t.shape[1:]), dtype=t.dtype)
             out[:old] = t

@@ -132,3 +132,20 @@ def test_the_deferred_path_uploads_without_waiting(tiny_model_dir, graphs_on, mo
     assert {"_graph_step", "_take_pending"} <= set(checked)
     with pytest.raises(AssertionError, match="blocking"), BlockingUploadCheck():
         torch.zeros(2).to("cpu")
+
+
+def test_a_batch_grown_inside_a_step_takes_deferred_ids_outside_it(tiny_model_dir, graphs_on, monkeypatch):
+    """More running rows than the batch starts with: its row tensors grow inside a step (under inference mode),
+    and the deferred ids are recorded later from the core, outside it. An H200's ``bench gpu`` (80 requests) failed
+    there with "Inplace update to inference tensor outside InferenceMode"."""
+    from pagedllm.worker import input_batch
+
+    monkeypatch.setattr(input_batch.InputBatch.__init__, "__defaults__", (2,))  # initial_rows: grow at the 3rd row
+    prompts = [[20 + i, 21, 22 + i] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(6)]
+    kw = dict(KW, max_num_seqs=6)
+    want = _run(LLM(tiny_model_dir, async_scheduling=False, block_size=16, **kw), prompts, params)
+    llm = LLM(tiny_model_dir, async_scheduling=True, block_size=16, **kw)
+    assert [g[:2] for g in _run(llm, prompts, params)] == [w[:2] for w in want]
+    assert llm.engine.core.executor.worker.model_runner.batch.token_ids.shape[0] >= 6
+    assert llm.engine.kv.stats()["used"] == 0
