@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pagedllm import ops
 from pagedllm.models import bf16_gemm
-from pagedllm.models.bf16_gemm import (AMX_MAX_ROWS, PackedBF16, amx_bf16_available, bf16_linear,
+from pagedllm.models.bf16_gemm import (AMX_MAX_ROWS, EXACT_ROWS, PackedBF16, amx_bf16_available, bf16_linear,
                                       onednn_bf16_available, padded_rows)
 
 pytestmark = pytest.mark.skipif(not ops.load("amx_gemm"), reason="no C++ compiler")
@@ -109,15 +109,17 @@ def test_gate_up_takes_the_fused_op_on_the_amx_copy_only(monkeypatch):
 
 
 def test_padded_rows_buckets():
-    """Every row count maps to a bucket at least as large, a multiple of 16, under 1/32 larger from 1,024 rows, and
-    each octave holds at most 32 buckets (oneDNN compiles a primitive per bucket, not per row count)."""
+    """Every row count maps to a bucket at least as large: itself below EXACT_ROWS, then a multiple of 16, under 1/32
+    larger from 1,024 rows, and each octave holds at most 32 buckets (oneDNN compiles a primitive per bucket, not
+    per row count)."""
     sizes = range(1, 8193)
     buckets = [padded_rows(m) for m in sizes]
-    assert all(b >= m and b % 16 == 0 for m, b in zip(sizes, buckets))
+    assert all(b == m for m, b in zip(sizes, buckets) if m < EXACT_ROWS)
+    assert all(b >= m and b % 16 == 0 for m, b in zip(sizes, buckets) if m >= EXACT_ROWS)
     assert all(b - m < max(16, m / 32) for m, b in zip(sizes, buckets))
     for lo in (1024, 2048, 4096):
         assert len({padded_rows(m) for m in range(lo, 2 * lo)}) <= 33
-    assert padded_rows(16) == 16 and padded_rows(270) == 272 and padded_rows(1691) == 1696
+    assert padded_rows(17) == 17 and padded_rows(130) == 144 and padded_rows(270) == 272 and padded_rows(1691) == 1696
 
 
 def test_onednn_gets_padded_rows_and_the_kept_rows_product(monkeypatch):
@@ -131,13 +133,13 @@ def test_onednn_gets_padded_rows_and_the_kept_rows_product(monkeypatch):
     real = torch.ops.mkldnn._linear_pointwise if onednn_bf16_available() else lambda x, w, *a: F.linear(x, w)
     monkeypatch.setattr(bf16_gemm.torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
-    for rows in (33, 48, 1100):
+    for rows in (33, 130, 144, 1100):
         x = torch.randn(rows, 64, generator=gen)
         y = bf16_gemm._onednn_linear(x, p.data)
         assert y.shape == (rows, 48) and y.dtype == torch.bfloat16
         exact = x.bfloat16().double() @ w.bfloat16().double().T
         torch.testing.assert_close(y.double(), exact, rtol=2 ** -8, atol=1e-3)
-    assert rows_seen == [48, 48, 1120]
+    assert rows_seen == [33, 144, 144, 1120]
 
 
 def test_amx_copy_can_be_turned_off(monkeypatch):
