@@ -30,6 +30,8 @@ PARTS: dict[str, tuple[str, str | None, str, bool]] = {
     "forward glue (Python)": ("pagedllm.models.llama", "LlamaDecoderLayer", "forward", False),
     "embedding": ("pagedllm.models.llama", "LlamaForCausalLM", "embed_tokens", False),
     "GEMMs (layers)": ("pagedllm.models.llama", None, "linear", False),
+    # the gate/up GEMM with silu * up after it (one pass on an AMX copy): a GEMM in the rows table
+    "gate/up GEMM + silu (layers)": ("pagedllm.models.llama", None, "linear_silu_mul", False),
     "add + RMSNorm": ("pagedllm.models.llama", None, "add_rms_norm_", False),
     "rotary": ("pagedllm.models.llama", None, "apply_rope_heads_", False),
     "silu * up": ("pagedllm.models.llama", None, "silu_mul", False),
@@ -40,6 +42,7 @@ PARTS: dict[str, tuple[str, str | None, str, bool]] = {
     "core update (stops)": ("pagedllm.core.engine_core", "EngineCore", "_update", False),
     "front end (detokenize)": ("pagedllm.frontend.output_processor", "OutputProcessor", "process", False),
 }
+GEMM_PARTS = ("GEMMs (layers)", "gate/up GEMM + silu (layers)")  # their rows and flops make the GEMM table
 ATTENTION = ("attention, decode rows", "attention, prefill chunks")
 # what a row of the table adds up: the step's Python outside the model
 HOST_PARTS = ("schedule", "core -> worker diff", "worker batch update", "worker input prep",
@@ -88,12 +91,11 @@ class ExclusiveTimers:
 
         return timed
 
-    def wrap_gemm(self, fn: Callable) -> Callable:
+    def wrap_gemm(self, fn: Callable, label: str) -> Callable:
         """``linear(x, w, ...)``: timed as a part, and its seconds and flops added to x's row bucket."""
         def timed(x, w, *a, **kw):
             if self._opaque:
                 return fn(x, w, *a, **kw)
-            label = "GEMMs (layers)"
             wall, cpu = self.seconds[label], self.cpu[label]
             with self.part(label):
                 out = fn(x, w, *a, **kw)
@@ -146,7 +148,7 @@ def timed_parts(timers: ExclusiveTimers, backend) -> Iterator[None]:
             module = importlib.import_module(mod)
             owner = module if cls is None else getattr(module, cls)
             fn = getattr(owner, attr)
-            patch(owner, attr, timers.wrap_gemm(fn) if label == "GEMMs (layers)" else timers.wrap(fn, label, opaque))
+            patch(owner, attr, timers.wrap_gemm(fn, label) if label in GEMM_PARTS else timers.wrap(fn, label, opaque))
         from pagedllm.frontend.llm_engine import LLMEngine
 
         patch(LLMEngine, "step", timers.wrap(LLMEngine.step, STEP, False))
