@@ -37,8 +37,10 @@ def test_gguf_a8_runs_bf16_activations_close_to_fp32(ckpt, native_bf16):
     bf16 = LlamaForCausalLM.from_checkpoint(ckpt, torch.bfloat16, quantization="gguf-a8")
     assert bf16.act_dtype == torch.bfloat16 and not bf16.upcast_matmuls and bf16.quantization == "gguf-a8"
     assert bf16.layers[0].down_weight.packed
-    # the yardstick: what int8 activations cost the fp32 model (against the dense fp32 one); the two a8 runs differ by
-    # both models' a8 noise, up to 0.137 (relative) on an AMX Xeon, where its native bf16 ops round differently
+    # against the dense fp32 model (the truth): the bf16 a8 model may be off by what int8 activations cost the fp32
+    # model plus what bf16 costs the dense model. Measuring it against the dense bf16 model instead counted that
+    # model's own bf16 noise twice: on a Zen 4 (AVX512-BF16) a decode step's bf16 a8 logits were 0.046 from fp32 but
+    # 0.071 from dense bf16, over a bound of 0.067; the two a8 runs differ by up to 0.137 (relative) on an AMX Xeon
     dense = [LlamaForCausalLM.from_checkpoint(ckpt, dt, quantization="none") for dt in (torch.float32, torch.bfloat16)]
     cfg = ckpt.config
     runners = [ForwardPass(m, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 16, dtype=m.act_dtype),
@@ -50,8 +52,8 @@ def test_gguf_a8_runs_bf16_activations_close_to_fp32(ckpt, native_bf16):
     for chunks in steps:
         a, b, ref32, ref16 = (r.execute(chunks) for r in runners)
         assert b.dtype == torch.float32 and torch.isfinite(b).all()
-        cost32, cost16 = (float((ref - x).norm() / ref.norm()) for ref, x in ((ref32, a), (ref16, b)))
-        assert cost16 < 2 * cost32 + 0.02  # int8 activations cost the bf16 model about what they cost the fp32 one
+        cost32, bf16_cost = (float((ref32 - x).norm() / ref32.norm()) for x in (a, ref16))
+        assert float((ref32 - b).norm() / ref32.norm()) < cost32 + bf16_cost + 0.02
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
 
 
