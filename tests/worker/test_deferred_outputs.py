@@ -136,7 +136,7 @@ def test_the_deferred_path_uploads_without_waiting(tiny_model_dir, graphs_on, mo
 
 def test_a_batch_grown_inside_a_step_takes_deferred_ids_outside_it(tiny_model_dir, graphs_on, monkeypatch):
     """More running rows than the batch starts with: its row tensors grow inside a step (under inference mode),
-    and the deferred ids are recorded later from the core, outside it. An H200's ``bench gpu`` (80 requests) failed
+    and the deferred ids are recorded later from the core, outside it. An H200's ``bench gpu`` (256 requests) failed
     there with "Inplace update to inference tensor outside InferenceMode"."""
     from pagedllm.worker import input_batch
 
