@@ -8,8 +8,11 @@ primitive (AVX2-only CPUs) the weight stays a plain bf16 matrix and ``F.linear``
 same meaning, so the path is testable everywhere.
 
 On AMX Xeons the matrix also gets a copy in the tiles' own layout (``ops/csrc/amx_gemm.cpp``) for GEMMs of up to
-``AMX_MAX_ROWS`` rows: decode steps and light-load prefills. ``PAGEDLLM_AMX_GEMM=0`` turns it off. The same
-products in fp32, rounded to bf16: only the summation order can differ from oneDNN's. Measured there (the embedded
+``COPY_MAX_ROWS`` rows: decode steps and light-load prefills. ``PAGEDLLM_AMX_GEMM=0`` turns it off. The same
+products in fp32, rounded to bf16: only the summation order can differ from oneDNN's. On AVX512-BF16 CPUs without
+tiles (Zen 4 / 5) the same copy runs through VDPBF16PS (the embedded model's 30 layers, median of 5, 2 cores of a
+Zen 4: 11.1 vs 15.9 ms at 8 rows, 24.7 vs 29.2 at 32, 42.8 vs 48.6 at 64, 79.1 vs 83.5 at 128, 554 vs 562 at
+1,024; even at 1,152 and 2,048, and no JIT compile per row count). Measured on AMX (the embedded
 model's layer GEMMs, 30 layers out of cache, 2 cores):
 - decode: oneDNN streamed the weights at ~13 GB/s of the ~25 the memory gives (16.5 vs 13.6 ms at 1 row, 20.7 vs
   15.8 at 32, 23.9 vs 20.6 at 64);
@@ -34,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import ops
-from pagedllm.config.device import cpu_has_amx_bf16
+from pagedllm.config.device import cpu_has_amx_bf16, cpu_has_native_bf16
 
-# GEMMs of at most this many rows run on the AMX copy where there is one (see the module docstring)
-AMX_MAX_ROWS = 1024
+# GEMMs of at most this many rows run on the packed copy where there is one (see the module docstring)
+COPY_MAX_ROWS = 1024
 # oneDNN GEMMs of fewer rows run unpadded (padded_rows)
 EXACT_ROWS = 128
 
@@ -64,6 +67,20 @@ def amx_bf16_available() -> bool:
     return cpu_has_amx_bf16() and ops.load("amx_gemm")
 
 
+@functools.cache
+def dpbf16_available() -> bool:
+    """Whether matrices get the same packed copy on an AVX512-BF16 CPU without AMX (Zen 4 / 5), where the op runs it
+    through VDPBF16PS (``ops/csrc/amx_gemm.cpp``)."""
+    if os.environ.get("PAGEDLLM_AMX_GEMM") == "0" or not ops.native.builds_native():
+        return False
+    return cpu_has_native_bf16() and not cpu_has_amx_bf16() and ops.load("amx_gemm")
+
+
+def packed_copy_available() -> bool:
+    """Whether matrices get the packed copy here: for the AMX tiles or for VDPBF16PS."""
+    return amx_bf16_available() or dpbf16_available()
+
+
 @dataclass
 class PackedBF16:
     """A ``[N, K]`` matrix in bf16, in oneDNN's layout when ``prepacked`` (then only oneDNN can read it).
@@ -76,13 +93,13 @@ class PackedBF16:
     shape: tuple[int, int]
     prepacked: bool
     min_rows: int = 1
-    amx: torch.Tensor | None = None  # the AMX tiles' layout, for GEMMs of up to AMX_MAX_ROWS rows
+    amx: torch.Tensor | None = None  # the AMX tiles' layout, for GEMMs of up to COPY_MAX_ROWS rows
 
     @classmethod
     def of(cls, w: torch.Tensor, min_rows: int = 1) -> "PackedBF16":
         """Round ``w`` to bf16 and prepack it where oneDNN can."""
         wb = w.detach().to(torch.bfloat16).contiguous()
-        amx = torch.ops.pagedllm.amx_pack_bf16(wb) if amx_bf16_available() else None
+        amx = torch.ops.pagedllm.amx_pack_bf16(wb) if packed_copy_available() else None
         if onednn_bf16_available():
             return cls(torch.ops.mkldnn._reorder_linear_weight(wb, None), tuple(wb.shape), True, min_rows, amx)
         return cls(wb, tuple(wb.shape), False, min_rows, amx)
@@ -123,7 +140,7 @@ def bf16_linear(x: torch.Tensor, w: PackedBF16, b: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [T, K] @ w.T (+ b)`` as a bf16 GEMM, returned in ``out_dtype`` (default ``x``'s; bias added in it)."""
     out_dtype = out_dtype or x.dtype
-    if w.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+    if w.amx is not None and x.shape[0] <= COPY_MAX_ROWS:
         y = torch.ops.pagedllm.amx_linear_bf16(x.to(torch.bfloat16), w.amx, w.shape[0])
     elif w.prepacked:
         y = _onednn_linear(x, w.data)
@@ -134,9 +151,9 @@ def bf16_linear(x: torch.Tensor, w: PackedBF16, b: torch.Tensor | None = None,
 
 
 def bf16_linear_silu(x: torch.Tensor, w: PackedBF16) -> torch.Tensor | None:
-    """``silu(gate) * up`` in bf16 of ``x @ w.T`` (gate: ``w``'s first half of rows) in one pass on the AMX copy: the
+    """``silu(gate) * up`` in bf16 of ``x @ w.T`` (gate: ``w``'s first half of rows) in one pass on the packed copy: the
     bits of the bf16 ``silu_mul`` over :func:`bf16_linear`'s bf16 output, without writing that output and reading it
     back. None where the copy does not take ``x``'s rows (or gate/up are not whole 16-column blocks)."""
-    if w.amx is None or not w.min_rows <= x.shape[0] <= AMX_MAX_ROWS or w.shape[0] % 32:
+    if w.amx is None or not w.min_rows <= x.shape[0] <= COPY_MAX_ROWS or w.shape[0] % 32:
         return None
     return torch.ops.pagedllm.amx_linear_silu_bf16(x.to(torch.bfloat16), w.amx, w.shape[0])

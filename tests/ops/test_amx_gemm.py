@@ -1,8 +1,8 @@
-"""The AMX bf16 GEMM (``ops/csrc/amx_gemm.cpp``) and where ``bf16_linear`` takes it: it computes the bf16 product
-of fp32 arithmetic on bf16 inputs, rounded to bf16, for every padding case (N not a multiple of 16, K not of 32, M
-not of 16, odd row-tile and column-block counts at the 32 x 32 blocks' edges); on AMX CPUs GEMMs of up to
-AMX_MAX_ROWS rows of packed matrices go to it, larger ones to oneDNN with their rows padded to a bucket; elsewhere
-no matrix gets the copy."""
+"""The packed bf16 GEMM (``ops/csrc/amx_gemm.cpp``: AMX tiles, VDPBF16PS without them) and where ``bf16_linear``
+takes it: it computes the bf16 product of fp32 arithmetic on bf16 inputs, rounded to bf16, for every padding case (N
+not a multiple of 16, K not of 32, M not of 16, odd row-tile and column-block counts at the 32 x 32 blocks' edges);
+on AMX and AVX512-BF16 CPUs GEMMs of up to COPY_MAX_ROWS rows of packed matrices go to it, larger ones to oneDNN
+with their rows padded to a bucket; elsewhere no matrix gets the copy."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from pagedllm import ops
 from pagedllm.models import bf16_gemm
-from pagedllm.models.bf16_gemm import (AMX_MAX_ROWS, EXACT_ROWS, PackedBF16, amx_bf16_available, bf16_linear,
-                                      onednn_bf16_available, padded_rows)
+from pagedllm.models.bf16_gemm import (COPY_MAX_ROWS, EXACT_ROWS, PackedBF16, amx_bf16_available, bf16_linear,
+                                      dpbf16_available, onednn_bf16_available, packed_copy_available, padded_rows)
 
 pytestmark = pytest.mark.skipif(not ops.load("amx_gemm"), reason="no C++ compiler")
 
@@ -23,7 +23,8 @@ SHAPES = [(1, 64, 48), (5, 96, 64), (16, 576, 960), (17, 70, 100), (32, 1536, 57
 
 @pytest.mark.parametrize("M,K,N", SHAPES)
 def test_amx_linear_is_the_bf16_product_rounded_once(M, K, N):
-    """On the tiles where there are some, through ATen on the unpacked matrix elsewhere: the same product."""
+    """On the tiles or through VDPBF16PS where the CPU has them, through ATen on the unpacked matrix elsewhere: the
+    same product."""
     gen = torch.Generator().manual_seed(M * 1000 + N)
     w, x = torch.randn(N, K, generator=gen).bfloat16(), torch.randn(M, K, generator=gen).bfloat16()
     y = torch.ops.pagedllm.amx_linear_bf16(x, torch.ops.pagedllm.amx_pack_bf16(w), N)
@@ -38,15 +39,16 @@ SILU_SHAPES = [(1, 576, 3072), (5, 64, 64), (17, 70, 96), (33, 576, 3072), (100,
 
 @pytest.mark.parametrize("M,K,N", SILU_SHAPES)
 def test_amx_linear_silu_is_silu_mul_of_the_product(M, K, N):
-    """The fused gate/up op returns silu(gate) * up of the product's bf16 output: on the tiles, silu_mul's own bits
-    (one row tile and 2 x 2 blocks, K and M padding); through its ATen fallback elsewhere, the same to rounding."""
+    """The fused gate/up op returns silu(gate) * up of the product's bf16 output: on the tiles and through VDPBF16PS,
+    silu_mul's own bits (one row tile, 2 x 2 blocks, runs of 8 rows, K and M padding); through its ATen fallback
+    elsewhere, the same to rounding."""
     gen = torch.Generator().manual_seed(M * 7 + N)
     w, x = torch.randn(N, K, generator=gen).bfloat16(), torch.randn(M, K, generator=gen).bfloat16()
     p = torch.ops.pagedllm.amx_pack_bf16(w)
     y = torch.ops.pagedllm.amx_linear_silu_bf16(x, p, N)
     assert y.dtype == torch.bfloat16 and y.shape == (M, N // 2)
     gate_up = torch.ops.pagedllm.amx_linear_bf16(x, p, N)
-    if amx_bf16_available() and ops.load("fused_ops"):
+    if packed_copy_available() and ops.load("fused_ops"):
         assert torch.equal(y, torch.ops.pagedllm.silu_mul(gate_up, True))
     g, u = gate_up.double().chunk(2, 1)
     torch.testing.assert_close(y.double(), g * torch.sigmoid(g) * u, rtol=2 ** -7, atol=1e-3)
@@ -63,29 +65,29 @@ def test_amx_linear_refuses_what_it_was_not_packed_for():
         torch.ops.pagedllm.amx_linear_silu_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), p, 48)
 
 
-def test_bf16_linear_takes_the_amx_copy_up_to_its_rows(monkeypatch):
-    """The dispatch, on every CPU: without tiles the op runs its ATen fallback, the same product."""
+def test_bf16_linear_takes_the_copy_up_to_its_rows(monkeypatch):
+    """The dispatch, on every CPU: without tiles the op runs VDPBF16PS or its ATen fallback, the same product."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(80, 64, generator=gen)
-    assert (PackedBF16.of(w).amx is not None) == amx_bf16_available()
-    monkeypatch.setattr(bf16_gemm, "amx_bf16_available", lambda: True)
+    assert (PackedBF16.of(w).amx is not None) == packed_copy_available()
+    monkeypatch.setattr(bf16_gemm, "dpbf16_available", lambda: True)
     p = PackedBF16.of(w)
     calls = []
     real = torch.ops.pagedllm.amx_linear_bf16
     monkeypatch.setattr(bf16_gemm.torch.ops.pagedllm, "amx_linear_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 200, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    for rows in (1, 200, COPY_MAX_ROWS, COPY_MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=gen)
         ref = torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).float()
         torch.testing.assert_close(bf16_linear(x, p), ref, rtol=2 ** -7, atol=1e-3)
-    assert calls == [1, 200, AMX_MAX_ROWS]
+    assert calls == [1, 200, COPY_MAX_ROWS]
 
 
-def test_gate_up_takes_the_fused_op_on_the_amx_copy_only(monkeypatch):
-    """``layers.linear_silu_mul``: with a bf16 result on the AMX copy's rows, the fused op, the bits of
-    ``silu_mul(linear(...))``; with an fp32 result, past AMX_MAX_ROWS or without the copy, that pair itself."""
+def test_gate_up_takes_the_fused_op_on_the_packed_copy_only(monkeypatch):
+    """``layers.linear_silu_mul``: with a bf16 result on the packed copy's rows, the fused op, the bits of
+    ``silu_mul(linear(...))``; with an fp32 result, past COPY_MAX_ROWS or without the copy, that pair itself."""
     from pagedllm.models import layers
 
-    real_amx = amx_bf16_available()
+    real_copy = packed_copy_available()
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(64, 64, generator=gen)
     monkeypatch.setattr(bf16_gemm, "amx_bf16_available", lambda: True)
@@ -94,14 +96,14 @@ def test_gate_up_takes_the_fused_op_on_the_amx_copy_only(monkeypatch):
     real = torch.ops.pagedllm.amx_linear_silu_bf16
     monkeypatch.setattr(bf16_gemm.torch.ops.pagedllm, "amx_linear_silu_bf16",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows, out in ((3, torch.bfloat16), (40, torch.bfloat16), (40, None), (AMX_MAX_ROWS + 1, torch.bfloat16)):
+    for rows, out in ((3, torch.bfloat16), (40, torch.bfloat16), (40, None), (COPY_MAX_ROWS + 1, torch.bfloat16)):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         y = layers.linear_silu_mul(x, p, False, out)
         ref = layers.silu_mul(layers.linear(x, p), out)
         assert y.dtype == ref.dtype and y.shape == (rows, 32)
-        if real_amx or rows > AMX_MAX_ROWS or out is None:
+        if real_copy or rows > COPY_MAX_ROWS or out is None:
             assert torch.equal(y, ref)
-        else:  # the op's ATen fallback off the tiles: the same to rounding
+        else:  # the op's ATen fallback without tiles or VDPBF16PS: the same to rounding
             torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
     assert calls == [3, 40]
     y = layers.linear_silu_mul(x[:5].float(), plain, False, None)  # a plain matrix: the pair
@@ -144,8 +146,8 @@ def test_onednn_gets_padded_rows_and_the_kept_rows_product(monkeypatch):
 
 def test_amx_copy_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_AMX_GEMM", "0")
-    amx_bf16_available.cache_clear()
+    amx_bf16_available.cache_clear(), dpbf16_available.cache_clear()
     try:
-        assert not amx_bf16_available() and PackedBF16.of(torch.ones(16, 32)).amx is None
+        assert not packed_copy_available() and PackedBF16.of(torch.ones(16, 32)).amx is None
     finally:
-        amx_bf16_available.cache_clear()
+        amx_bf16_available.cache_clear(), dpbf16_available.cache_clear()
