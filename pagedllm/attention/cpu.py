@@ -17,7 +17,10 @@ long enough that torch's CPU flash SDPA over a gathered context is faster (``sdp
 oneDNN's brgemm (AMX on a Xeon), ~3x the kernel's prefill throughput at 256-token prompts. On AMX Xeons those
 chunks go instead to our own tile kernel (``ops/csrc/amx_attention.cpp``, head_dim 64, block sizes of multiples of
 32; ``PAGEDLLM_AMX_ATTENTION=0`` turns it off), which reads K/V in place: no gather, casts or copies around it (one
-270-token prompt's prefill 87 -> 74 ms). fp32 pools (the exact path) keep the kernel.
+270-token prompt's prefill 87 -> 74 ms). On AVX512-BF16 CPUs without tiles (Zen 4 / 5) the same kernel runs its
+tile products with VDPBF16PS: a layer's attention 3-4.5x faster than SDPA there (9 / 3 heads, 2 threads: 1 x 270
+tokens 0.34 vs 1.54 ms, 8 x 256 2.4 vs 9.9, 1 x 1,024 4.1 vs 12.5; W1 1.15x). fp32 pools (the exact path) keep
+the kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import causal_mask, gather_sequence_kv
-from pagedllm.config.device import cpu_has_amx_bf16, cpu_has_native_bf16
+from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.kv.kv_quant import QuantizedKV
 
 # Prefill chunks over a bf16 pool go to torch's bf16 flash SDPA on a CPU with native bf16 when they have at least
@@ -51,11 +54,11 @@ AMX_HEAD_DIM = 64
 
 @functools.cache
 def amx_prefill_available() -> bool:
-    """Whether bf16 prefill chunks go to ``ops/csrc/amx_attention.cpp``: an AMX bf16 CPU, kernels built for it,
-    not turned off (``PAGEDLLM_AMX_ATTENTION=0``)."""
+    """Whether bf16 prefill chunks go to ``ops/csrc/amx_attention.cpp``: an AMX or AVX512-BF16 CPU (tiles, or
+    VDPBF16PS on the same layouts), kernels built for it, not turned off (``PAGEDLLM_AMX_ATTENTION=0``)."""
     if os.environ.get("PAGEDLLM_AMX_ATTENTION") == "0" or not ops.native.builds_native():
         return False
-    return cpu_has_amx_bf16() and ops.load("amx_attention")
+    return cpu_has_native_bf16() and ops.load("amx_attention")
 
 
 def _prefill_attention_amx(*args) -> None:
@@ -88,7 +91,7 @@ class CpuBackend:
         self.sdpa_prefill_min_len = sdpa_prefill_min_len
         # prefill chunks over a bf16 pool with BF16_SDPA_MIN_LEN queries, BF16_SDPA_MIN_PAIRS pairs use SDPA in bf16
         self.bf16_sdpa = BF16_SDPA_MIN_LEN > 0 and cpu_has_native_bf16()
-        # ... and on AMX Xeons through our tile kernel instead of SDPA (see amx_prefill_available)
+        # ... and through our own kernel instead of SDPA (see amx_prefill_available)
         self.amx_prefill = self.bf16_sdpa and amx_prefill_available()
         load_kernel()
 

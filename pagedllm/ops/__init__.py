@@ -16,7 +16,7 @@ loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a
 | ``quant_a8`` | ``linear_a8``, ``quantize_a8``, ``pack_a8``, ``linear_a8_packed``, ``linear_a8_packed_part`` |
 | ``lora_bgmv`` | ``lora_bgmv`` |
 | ``amx_gemm`` | ``amx_pack_bf16``, ``amx_linear_bf16``, ``amx_linear_silu_bf16`` (bf16 GEMMs on AMX tiles: decode steps and light-load prefills; gate/up with silu in its epilogue) |
-| ``amx_attention`` | ``prefill_attention_amx`` (causal prefill attention over a bf16 pool on AMX tiles, head_dim 64) |
+| ``amx_attention`` | ``prefill_attention_amx`` (causal prefill attention over a bf16 pool on AMX tiles or with VDPBF16PS, head_dim 64) |
 | ``sampling`` | ``argmax_logsumexp`` (each logits row's greedy pick and log-normaliser, without a log_softmax buffer) |
 """
 

@@ -1,7 +1,8 @@
 """The AMX prefill attention (``ops/csrc/amx_attention.cpp``) and where the CPU backend takes it: causal attention of
 bf16-rounded queries over a bf16 pool read through the block tables (prefix context, GQA, scattered blocks, fp32 or
 bf16 queries and outputs) equals the math within bf16 rounding, and pool rows past a sequence's context never leak
-in, NaN included. On CPUs without tiles the op computes the same through ATen, so these run everywhere."""
+in, NaN included. Without tiles the op runs VDPBF16PS on the same layouts (AVX512-BF16 CPUs) or computes the same
+through ATen, so these run everywhere."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_prefill_attention_refuses_what_it_does_not_serve():
                                                  tables, lens, qsl, BS, 0.125, 0, 1)
 
 
-def test_cpu_backend_sends_bf16_prefill_chunks_to_it_where_there_are_tiles(monkeypatch):
+def test_cpu_backend_sends_bf16_prefill_chunks_to_it_on_native_bf16_cpus(monkeypatch):
     """The backend's choice follows the CPU and the switch, and the chunks it sends come back as SDPA's would."""
     cpu_backend.amx_prefill_available.cache_clear()
     monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", "0")
