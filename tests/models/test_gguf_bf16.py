@@ -185,7 +185,7 @@ def test_dense_bf16_prepacked_computes_what_f_linear_does(ckpt, monkeypatch):
     """bf16 activations on a native-bf16 CPU: the matrices prepacked once give the logits ``F.linear`` gave."""
     monkeypatch.setattr(llama, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(llama, "onednn_bf16_available", lambda: True)  # on AVX2: plain bf16 copies, same meaning
-    if not amx_bf16_available():  # VDPBF16PS sums in another order than oneDNN (its own test: tests/ops/test_amx_gemm.py)
+    if not amx_bf16_available():  # VDPBF16PS sums in another order than oneDNN (its test: tests/ops/test_amx_gemm.py)
         monkeypatch.setattr(bf16_gemm, "packed_copy_available", lambda: False)
     model = LlamaForCausalLM.from_checkpoint(ckpt, torch.bfloat16, "none")
     assert model.act_dtype == torch.bfloat16

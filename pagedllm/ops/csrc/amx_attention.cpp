@@ -320,11 +320,11 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           const int64_t row = starts[t.seq] + t.q0 + r0, nr = std::min(QT, rows - r0);
           const Q* qr = qp + row * qs0 + h * qs1;
           if (out_f32)
-            query_tile<TILES>(qr, qs0, nr, ctx0 + t.q0 + r0, n_keys, kc + g * slots * D, table, block_size, vt.data(),
-                       static_cast<float>(scale), of + row * os0 + h * os1, os0);
+            query_tile<TILES>(qr, qs0, nr, ctx0 + t.q0 + r0, n_keys, kc + g * slots * D, table, block_size,
+                              vt.data(), static_cast<float>(scale), of + row * os0 + h * os1, os0);
           else
-            query_tile<TILES>(qr, qs0, nr, ctx0 + t.q0 + r0, n_keys, kc + g * slots * D, table, block_size, vt.data(),
-                       static_cast<float>(scale), ob + row * os0 + h * os1, os0);
+            query_tile<TILES>(qr, qs0, nr, ctx0 + t.q0 + r0, n_keys, kc + g * slots * D, table, block_size,
+                              vt.data(), static_cast<float>(scale), ob + row * os0 + h * os1, os0);
         }
     }
 #ifdef PAGEDLLM_AMX
@@ -334,8 +334,8 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
 }
 #endif
 
-// Where this build has neither tiles nor VDPBF16PS: the same attention through ATen (q and P rounded to bf16 as on the tiles),
-// so the op means the same everywhere.
+// Where this build has neither tiles nor VDPBF16PS: the same attention through ATen (q and P rounded to bf16 as on
+// the tiles), so the op means the same everywhere.
 void aten_attention(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                     const torch::Tensor& query_start_loc, int64_t block_size, double scale, int64_t first,
