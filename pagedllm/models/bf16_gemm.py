@@ -58,22 +58,23 @@ def onednn_bf16_available() -> bool:
     return True
 
 
+def _copy_kernel_usable() -> bool:
+    """The packed copy's kernel is built for this CPU (``-march=native``) and not turned off (PAGEDLLM_AMX_GEMM=0)."""
+    return os.environ.get("PAGEDLLM_AMX_GEMM") != "0" and ops.native.builds_native() and ops.load("amx_gemm")
+
+
 @functools.cache
 def amx_bf16_available() -> bool:
     """Whether matrices get the AMX copy: an AMX bf16 CPU, kernels built for it (``-march=native``), not turned off.
-    (Where the tiles turn out unusable after all, the op computes the same product through ATen.)"""
-    if os.environ.get("PAGEDLLM_AMX_GEMM") == "0" or not ops.native.builds_native():
-        return False
-    return cpu_has_amx_bf16() and ops.load("amx_gemm")
+    (Where the tiles turn out unusable after all, the op computes the same product through VDPBF16PS.)"""
+    return cpu_has_amx_bf16() and _copy_kernel_usable()
 
 
 @functools.cache
 def dpbf16_available() -> bool:
     """Whether matrices get the same packed copy on an AVX512-BF16 CPU without AMX (Zen 4 / 5), where the op runs it
     through VDPBF16PS (``ops/csrc/amx_gemm.cpp``)."""
-    if os.environ.get("PAGEDLLM_AMX_GEMM") == "0" or not ops.native.builds_native():
-        return False
-    return cpu_has_native_bf16() and not cpu_has_amx_bf16() and ops.load("amx_gemm")
+    return cpu_has_native_bf16() and not cpu_has_amx_bf16() and _copy_kernel_usable()
 
 
 def packed_copy_available() -> bool:
