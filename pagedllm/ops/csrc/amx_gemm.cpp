@@ -213,17 +213,23 @@ void run_tiles(const uint16_t* w, int64_t Nb, int64_t Kb, int64_t M, int64_t N, 
 // median of 5 against oneDNN (Zen 4, 2 threads, from memory): 11.1 vs 15.9 ms at 8 rows, 42.8 vs 48.6 at 64, 79.1 vs
 // 83.5 at 128, 554 vs 562 at 1,024 (even from there).
 // pf: the next pair's first block (or null): its lines go to L2 while this pass streams its own, so that pair's
-// first pass does not wait on memory
+// first pass does not wait on memory; this is run `run` of `runs` over the pair, and prefetches its share of them
 template <int R, int NB>
 void dp_block(const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, int64_t Kb, float* out, int64_t ldo,
-              const uint16_t* pf) {
+              const uint16_t* pf, int64_t run, int64_t runs) {
   __m512 acc[R][NB];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < Kb * 16; ++p) {  // K pairs: the packing is contiguous over a column block's K
-    if (pf)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * blk + p * 32), _MM_HINT_T1);
+  const int64_t L = Kb * 16, first = run * L / runs, end = (run + 1) * L / runs;
+  for (int64_t p = 0, q = 0, line = first; p < L; ++p) {  // K pairs: the packing is contiguous over a column block's K
+    if (pf && ++q == runs) {
+      q = 0;
+      if (line < end) {
+        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * blk + line * 32), _MM_HINT_T1);
+        ++line;
+      }
+    }
     __m512bh b[NB];
     for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w0 + j * blk + p * 32);
 #pragma GCC unroll 8
@@ -238,16 +244,16 @@ void dp_block(const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, i
 
 template <int NB>
 void dp_rows(int64_t rows, const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, int64_t Kb, float* out,
-             int64_t ldo, const uint16_t* pf) {
+             int64_t ldo, const uint16_t* pf, int64_t run, int64_t runs) {
   switch (rows) {
-    case 1: return dp_block<1, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
-    case 2: return dp_block<2, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
-    case 3: return dp_block<3, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
-    case 4: return dp_block<4, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
-    case 5: return dp_block<5, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
-    case 6: return dp_block<6, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
-    case 7: return dp_block<7, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
-    default: return dp_block<8, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf);
+    case 1: return dp_block<1, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 2: return dp_block<2, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 3: return dp_block<3, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 4: return dp_block<4, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 5: return dp_block<5, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 6: return dp_block<6, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 7: return dp_block<7, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    default: return dp_block<8, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
   }
 }
 
@@ -262,14 +268,17 @@ void dp_gemm(const uint16_t* xp, int64_t M, int64_t Kp, const uint16_t* w, int64
     alignas(64) float c[8 * 32];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nb = SILU ? p : 2 * p, nbs = std::min<int64_t>(2, Nb - nb), next = SILU ? p + 1 : 2 * p + 2;
-      // the next pair of this thread, whole (a last odd block is left to the prefetcher), for decode-size steps:
-      // the 30 layers from memory (Zen 4) 10.6 -> 9.3-10.0 ms at 8 rows, 14.5 -> 12.9-13.4 at 16, 22.7 -> 21.5-22.0
-      // at 32; even at 64; from 128 rows the extra loads cost more (137 -> 143 ms at 256)
-      const uint16_t* pf = M <= 32 && p + 1 < p1 && (SILU || next + 1 < Nb) ? w + next * blk : nullptr;
-      for (int64_t r0 = 0; r0 < M; r0 += 8, pf = nullptr) {
+      // the next pair of this thread, whole (a last odd block is left to the prefetcher), a 1 / runs share in each
+      // run of 8 rows so that the memory is busy through the pair's every run: the 30 layers from memory (Zen 4)
+      // 10.6 -> 9.3-10.0 ms at 8 rows, 14.5 -> 12.9-13.4 at 16 with it; spread instead of all in the first run,
+      // 12.7 -> 11.9 at 16 rows, 30.0 -> 28.4 at 48, 38.2 -> 36.8 at 64, even from 256 (whole in the first run, it
+      // cost 137 -> 143 ms at 256)
+      const int64_t runs = (M + 7) / 8;
+      const uint16_t* pf = p + 1 < p1 && (SILU || next + 1 < Nb) ? w + next * blk : nullptr;
+      for (int64_t r0 = 0; r0 < M; r0 += 8) {
         const int64_t rows = std::min<int64_t>(8, M - r0);
-        if (SILU || nbs == 2) dp_rows<2>(rows, xp + r0 * Kp, Kp, w + nb * blk, stride, Kb, c, 32, pf);
-        else dp_rows<1>(rows, xp + r0 * Kp, Kp, w + nb * blk, stride, Kb, c, 32, pf);
+        if (SILU || nbs == 2) dp_rows<2>(rows, xp + r0 * Kp, Kp, w + nb * blk, stride, Kb, c, 32, pf, r0 / 8, runs);
+        else dp_rows<1>(rows, xp + r0 * Kp, Kp, w + nb * blk, stride, Kb, c, 32, pf, r0 / 8, runs);
         at::BFloat16* yr = y + r0 * ldy + nb * TN;
         if (SILU) store_rows<true>(c, 32, 16, yr, ldy, rows, TN);
         else store_rows<false>(c, 32, 0, yr, ldy, rows, std::min<int64_t>(16 * nbs, N - nb * TN));
