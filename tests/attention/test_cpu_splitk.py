@@ -27,9 +27,22 @@ def test_long_decodes_split_over_the_context_match_the_reference(kv_dtype):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_bf16_queries_over_a_bf16_pool_match_the_reference():
+    """A bf16 model's decode: its queries hold bf16 values exactly, so the kernel multiplies them with the keys in
+    bf16 pairs (VDPBF16PS where the CPU has it: exact products, the sum in another order)."""
+    cache, q, k, v, meta = make_step("bfloat16", *STEPS)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    expected = run(ReferenceBackend(), clone(cache), q.float(), k.float(), v.float(), meta)
+    got = run(get_backend("cpu"), cache, q, k, v, meta)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=8e-3)  # the output's bf16 rounding
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "bfloat16"])
 def test_a_sequence_output_does_not_change_with_its_batch_or_the_thread_count(kv_dtype):
     cache, q, k, v, meta = make_step(kv_dtype, *STEPS)
+    if kv_dtype == "bfloat16":  # a bf16 model's step: bf16 queries, the pair products
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     backend = get_backend("cpu")
     threads = torch.get_num_threads()
     try:
