@@ -6,7 +6,11 @@ that runs (ours, oneDNN/MKL through torch, bf16, int8). From those and the model
 * batch-1 decode ceiling = read bandwidth / the bytes of weights one token streams (every layer matrix and the
   LM head; KV reads are left out: a few hundred KB at W1's lengths against ~100-500 MB of weights);
 * W1 ceiling = W1's output tokens / (its linear FLOPs + attention FLOPs) at the peak GEMM throughput of the path
-  the format runs on (attention counted at that peak too, so the floor is optimistic).
+  the format runs on (attention counted at that peak too, so the floor is optimistic);
+* W1 floor with KV reads = the same, plus the time its decode steps take to read their K/V from the pool at the
+  read bandwidth (each decode token reads its whole context once a layer; prefill chunks, which read theirs once
+  per query tile, left out): still optimistic, but it counts the bytes no kernel can skip. The pool holds bf16
+  under bf16 activations (formats bf16, gguf-bf16), else fp32.
 
 A measured tok/s at or near its ceiling cannot go faster on this machine in that format; the gap to the ceiling is
 what the engine's own overheads cost.
@@ -102,6 +106,21 @@ def workload_flops(shape: ModelShape, w: dict) -> tuple[float, float]:
     return float(flops.mean()), float(np.broadcast_to(o, tokens.shape).mean())
 
 
+def workload_decode_keys(w: dict) -> float:
+    """Expected keys a request's decode steps read in one layer: the output tokens fed back (all but the last;
+    the first comes from the prefill) sit at positions p .. p + o - 2 and each reads its t + 1 keys."""
+    p = np.arange(w["prompt_range"][0], w["prompt_range"][1] + 1, dtype=np.float64)[:, None]
+    o = np.arange(w["output_range"][0], w["output_range"][1] + 1, dtype=np.float64)[None, :]
+    # sum of j for j in p + 1 .. p + o - 1
+    return float(((o - 1) * (2 * p + o) / 2).mean())
+
+
+def kv_bytes_per_key(shape: ModelShape, fmt: str) -> int:
+    """K and V bytes of one key over every layer, in the pool dtype the format runs with."""
+    c = shape.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * (2 if fmt in ("bf16", "gguf-bf16") else 4)
+
+
 # weight format -> the GEMM family its batched steps run on
 FORMATS = {"fp32": "fp32", "bf16": "bf16", "gguf": "fp32 on {q}", "gguf-a8": "int8", "gguf-bf16": "bf16"}
 
@@ -109,6 +128,7 @@ FORMATS = {"fp32": "fp32", "bf16": "bf16", "gguf": "fp32 on {q}", "gguf-a8": "in
 def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: dict) -> list[dict]:
     """Per weight format: bytes per decode step, the batch-1 ceiling, the W1 GEMM path and W1's ceiling."""
     flops, out_tokens = workload_flops(shape, w)
+    keys = workload_decode_keys(w)
     qt = shape.layer_qtype()
     rows = []
     for fmt, family in FORMATS.items():
@@ -116,9 +136,12 @@ def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: di
             continue
         path = best_of(paths, family.format(q=QUANT_NAMES.get(qt, "")))
         nbytes = shape.step_bytes(fmt)
+        gemm_s = flops / (path.gflops * 1e9) if path else None
+        kv_s = keys * kv_bytes_per_key(shape, fmt) / bw["read"]
         rows.append({"format": fmt, "step_bytes": nbytes, "b1_tok_s": bw["read"] / nbytes,
                      "gemm_path": path.name if path else None, "gemm_gflops": path.gflops if path else None,
-                     "w1_tok_s": out_tokens / (flops / (path.gflops * 1e9)) if path else None})
+                     "w1_tok_s": out_tokens / gemm_s if path else None,
+                     "w1_kv_tok_s": out_tokens / (gemm_s + kv_s) if path else None})
     return rows
 
 
@@ -176,14 +199,15 @@ def run(args) -> Report:
               f"write) {bw['copy'] / 1e9:.1f} GB/s. GEMMs at [{m} x {k}] @ [{k} x {n}] (the model's gate/up at a "
               "W1-sized step)."),
              (f"W1: {r['workload']['num']} requests, prompt {r['workload']['prompt_range']}, output "
-              f"{r['workload']['output_range']} (expected lengths); attention FLOPs counted at the GEMM peak.")]
+              f"{r['workload']['output_range']} (expected lengths); attention FLOPs counted at the GEMM peak; the "
+              "floor with KV reads adds the decode steps' K/V bytes at the read bandwidth.")]
     notes += [f"not available on this CPU: {name} ({why})" for name, why in r["refused"].items()]
     gemm = Table(["GEMM path", "family", "GFLOP/s"], [[g["name"], g["family"], g["gflops"]] for g in r["gemm"]],
                  "Peak GEMM throughput", 1)
     fl = Table(["weight format", "MB per decode step", "batch-1 ceiling tok/s", "W1 GEMM path", "GFLOP/s",
-                "W1 ceiling output tok/s"],
-               [[f["format"], f["step_bytes"] / 1e6, f["b1_tok_s"], f["gemm_path"], f["gemm_gflops"], f["w1_tok_s"]]
-                for f in r["floors"]], "Floors of the embedded model", 1)
+                "W1 ceiling output tok/s", "W1 floor with KV reads, output tok/s"],
+               [[f["format"], f["step_bytes"] / 1e6, f["b1_tok_s"], f["gemm_path"], f["gemm_gflops"], f["w1_tok_s"],
+                 f["w1_kv_tok_s"]] for f in r["floors"]], "Floors of the embedded model", 1)
     tables = [gemm, fl]
     if args.gemm_shapes:
         from pagedllm.bench.roofline_shapes import (

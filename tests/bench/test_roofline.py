@@ -50,6 +50,14 @@ def test_workload_flops_match_a_count_per_request(shape):
     assert flops == pytest.approx(total / len(pairs)) and out_tokens == pytest.approx(outs / len(pairs))
 
 
+def test_decode_keys_count_each_fed_back_tokens_context():
+    w = {"prompt_range": (2, 4), "output_range": (1, 3)}
+    pairs = [(p, o) for p in range(2, 5) for o in range(1, 4)]
+    # output token i (0-based) is fed back for i < o - 1, at position p + i, and reads p + i + 1 keys
+    expected = sum(sum(p + i + 1 for i in range(o - 1)) for p, o in pairs) / len(pairs)
+    assert roofline.workload_decode_keys(w) == pytest.approx(expected)
+
+
 def test_floors_divide_bandwidth_by_bytes_and_flops_by_the_formats_path(shape):
     paths = [GemmPath("a", "fp32", 100.0), GemmPath("b", "int8", 200.0), GemmPath("c", "fp32 on Q4_1", 50.0)]
     w = {"prompt_range": (10, 10), "output_range": (5, 5)}
@@ -58,6 +66,10 @@ def test_floors_divide_bandwidth_by_bytes_and_flops_by_the_formats_path(shape):
     assert rows["bf16"]["b1_tok_s"] == pytest.approx(1e10 / shape.step_bytes("bf16"))
     assert rows["gguf"]["gemm_path"] == "c" and rows["gguf-a8"]["gemm_path"] == "b"
     assert rows["gguf"]["w1_tok_s"] == pytest.approx(outs / (flops / 50e9))
+    c = shape.config
+    kv_s = roofline.workload_decode_keys(w) * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 / 1e10  # fp32 pool
+    assert rows["gguf"]["w1_kv_tok_s"] == pytest.approx(outs / (flops / 50e9 + kv_s))
+    assert rows["gguf"]["w1_kv_tok_s"] < rows["gguf"]["w1_tok_s"]
     assert rows["bf16"]["gemm_path"] is None and rows["bf16"]["w1_tok_s"] is None  # no bf16 path measured
     no_blocks = roofline.ModelShape(shape.config, {}, {})
     assert [r["format"] for r in roofline.floors(no_blocks, {"read": 1e10}, paths, w)] == ["fp32", "bf16"]
