@@ -222,7 +222,9 @@ void dp_block(const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, i
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t L = Kb * 16, first = run * L / runs, end = (run + 1) * L / runs;
-  for (int64_t p = 0, q = 0, line = first; p < L; ++p) {  // K pairs: the packing is contiguous over a column block's K
+  // K pairs: the packing is contiguous over a column block's K. One line of pf a block every `runs` pairs, from the
+  // first (ceil(L / runs) of them, so the run's share of (end - first) lines is covered)
+  for (int64_t p = 0, q = runs - 1, line = first; p < L; ++p) {
     if (pf && ++q == runs) {
       q = 0;
       if (line < end) {
@@ -264,6 +266,7 @@ template <bool SILU>
 void dp_gemm(const uint16_t* xp, int64_t M, int64_t Kp, const uint16_t* w, int64_t Nb, int64_t N, at::BFloat16* y) {
   const int64_t Kb = Kp / TK, blk = Kb * 16 * 32, pairs = SILU ? Nb / 2 : (Nb + 1) / 2;
   const int64_t stride = SILU ? pairs * blk : blk, ldy = SILU ? N / 2 : N;  // between a pair's blocks; y's rows
+  const int64_t runs = (M + 7) / 8;  // runs of 8 rows over each pair
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float c[8 * 32];
     for (int64_t p = p0; p < p1; ++p) {
@@ -273,7 +276,6 @@ void dp_gemm(const uint16_t* xp, int64_t M, int64_t Kp, const uint16_t* w, int64
       // 10.6 -> 9.3-10.0 ms at 8 rows, 14.5 -> 12.9-13.4 at 16 with it; spread instead of all in the first run,
       // 12.7 -> 11.9 at 16 rows, 30.0 -> 28.4 at 48, 38.2 -> 36.8 at 64, even from 256 (whole in the first run, it
       // cost 137 -> 143 ms at 256)
-      const int64_t runs = (M + 7) / 8;
       const uint16_t* pf = p + 1 < p1 && (SILU || next + 1 < Nb) ? w + next * blk : nullptr;
       for (int64_t r0 = 0; r0 < M; r0 += 8) {
         const int64_t rows = std::min<int64_t>(8, M - r0);

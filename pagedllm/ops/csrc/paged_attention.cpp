@@ -759,155 +759,162 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
     const bool spread = false;
 #endif
     const int tid = omp_get_thread_num();
-    for (int ri = 0; ri < nthreads; ++ri) {
-      const int run = (tid + ri) % nthreads;  // its own run first
-      const int64_t it_end = run_begin[run + 1];
-      for (int64_t it = __atomic_fetch_add(&claimed[run], 1, __ATOMIC_RELAXED); it < it_end;
-           it = __atomic_fetch_add(&claimed[run], 1, __ATOMIC_RELAXED)) {
-        const Item& w = items[it];
-        const Item* next = it + 1 < it_end ? &items[it + 1] : nullptr;  // the item it most likely claims next
-        const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
-        const int64_t first_pos = seq_lens[w.seq] - q_len;
-        const int64_t nq = w.q_end - w.q_begin, R = nq * group;
-        const int32_t* table = tables + w.seq * table_stride;
-        for (int64_t qi = 0; qi < nq; ++qi) {
-          const int64_t t = qsl[w.seq] + w.q_begin + qi;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = qi * group + g;
-            row_to_float(qp + t * qs0 + (w.kv_head * group + g) * qs1, qbuf.data() + r * D, D);
-            pos[r] = first_pos + w.q_begin + qi;
-          }
+    int ri = 0;  // runs this thread has emptied (its own first)
+    auto claim = [&](int64_t& run_end) -> int64_t {  // the thread's next item and the end of its run; -1: none left
+      for (; ri < nthreads; ++ri) {
+        const int run = (tid + ri) % nthreads;
+        const int64_t it = __atomic_fetch_add(&claimed[run], 1, __ATOMIC_RELAXED);
+        if (it < run_begin[run + 1]) {
+          run_end = run_begin[run + 1];
+          return it;
         }
-        std::fill(acc.begin(), acc.begin() + R * D, 0.f);
-        std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
-        std::fill(l.begin(), l.begin() + R, 0.f);
-        const int64_t kv_end = w.k_end;
-        for (int64_t c0 = w.k_begin; c0 < kv_end; c0 += CHUNK) {
-          const int64_t n = std::min(CHUNK, kv_end - c0);
-          // start loading the next chunk's K/V while this one is computed, where the hardware prefetcher can't guess
-          // it: a block that does not follow the previous one in the pool, or one of a page or more (fp32 at head_dim
-          // 64) that starts a page. Measured at 8k context, one thread (Zen 5): prefetching every block made int8
-          // over consecutive blocks 45% slower, every block that starts a page still 23%; with no prefetch at all,
-          // scattered blocks took 36% (int8) and 14% (fp32) longer, consecutive fp32 blocks 15%.
-          // (blocks are walked from the chunk's first: one 64-bit division per chunk, not one per block or key)
-          // AVX-512 paths (`spread`): the lines are queued and issued a few per score step and per P@V key instead of
-          // all at once. A burst of 256 prefetches (bf16, head_dim 64) waits on the core's ~16 line-fill buffers, so
-          // the chunk's compute only started once most of the next chunk was in flight: perf put 87% of the loop's
-          // own samples on the prefetch instructions. Spread (K and V lines interleaved, half over each loop), the
-          // W1 decode shape (64 sequences x 400 keys, 30 layers' bf16 pools, 2 threads, AMX Xeon) went from 39.3 to
-          // 32.4 ms (touching the lines alone: 25 ms; all in the score or all in the P@V loop: 36 ms; K lines first:
-          // 37-40 ms).
-          // The last chunk prefetches the first chunk of the thread's next item instead (its blocks are cold: an
-          // item of a W1 decode is 5-7 chunks).
-          const bool last = c0 + CHUNK >= kv_end;
-          const Item& pw = last && next ? *next : w;
-          const int32_t* ptable = last && next ? tables + next->seq * table_stride : table;
-          const int64_t pstart = last && next ? next->k_begin : c0 + CHUNK;
-          const int64_t stop = std::min<int64_t>(pstart + CHUNK, last && next ? next->k_end : kv_end);
-          pfq.n = pfq.i = 0;
-          for (int64_t lp = pstart, lb = lp / block_size, off = lp - lb * block_size; lp < stop; ++lb, off = 0) {
-            const int64_t cnt = std::min(block_size - off, stop - lp);
-            const int64_t slot0 = static_cast<int64_t>(ptable[lb]) * block_size + off;
-            const char* kr = reinterpret_cast<const char*>(kp + pw.kv_head * ks0 + slot0 * ks1);
-            const char* vr = reinterpret_cast<const char*>(vp + pw.kv_head * vs0 + slot0 * vs1);
-            lp += cnt;
-            const bool page_start = block_bytes >= 4096 && (reinterpret_cast<uintptr_t>(kr) & 4095) == 0;
-            const bool follows = last && next ? lp - cnt > pstart : lb > 0;  // a block after one being read
-            if (follows && ptable[lb] == ptable[lb - 1] + 1 && !page_start) continue;
-            for (int64_t b = 0; b < cnt * ks1 * static_cast<int64_t>(sizeof(kvscalar_t)); b += 64) {
-              if (spread) {
-                pfq.line[pfq.n++] = kr + b;
-                pfq.line[pfq.n++] = vr + b;
-                continue;
-              }
-              __builtin_prefetch(kr + b, 0, 3);
-              __builtin_prefetch(vr + b, 0, 3);
-            }
-          }
-          if (spread) {  // half over the score steps (n / 4), half over the P@V keys (n)
-            const int half = (pfq.n + 1) / 2;
-            pfq.per_scores = n >= 4 ? (half + n / 4 - 1) / (n / 4) : half;
-            pfq.per_pv = (half + n - 1) / n;
-          }
-          // the chunk's K/V row pointers, one block-table lookup per block
-          for (int64_t o = 0, lb = c0 / block_size, off = c0 - lb * block_size; o < n; ++lb, off = 0) {
-            const int64_t cnt = std::min(block_size - off, n - o);
-            const int64_t blk = table[lb], slot0 = blk * block_size + off;
-            const kvscalar_t* kr = kp + w.kv_head * ks0 + slot0 * ks1;
-            const kvscalar_t* vr = vp + w.kv_head * vs0 + slot0 * vs1;
-            [[maybe_unused]] float sk = 0.f, sv = 0.f;
-            if constexpr (is_code_v<kvscalar_t>) sk = ksc.at(w.kv_head, blk), sv = vsc.at(w.kv_head, blk);
-            for (int64_t j = 0; j < cnt; ++j, ++o, kr += ks1, vr += vs1) {
-              if constexpr (kv_is_float) {
-                krow[o] = reinterpret_cast<const float*>(kr);
-                vrow[o] = reinterpret_cast<const float*>(vr);
-              } else if constexpr (kv_is_bf16) {
-                krowb[o] = kr;
-                vrowb[o] = vr;
-              } else if constexpr (kv_is_int8) {
-                krow8[o] = reinterpret_cast<const int8_t*>(kr);
-                vrow8[o] = reinterpret_cast<const int8_t*>(vr);
-                kmul[o] = sk;
-                vmul[o] = sv;
-              } else if constexpr (is_code_v<kvscalar_t>) {
-                dequant_row<kvscalar_t::format>(&kr->b, sk, kbuf.data() + o * D, D);
-                dequant_row<kvscalar_t::format>(&vr->b, sv, vbuf.data() + o * D, D);
-                krow[o] = kbuf.data() + o * D;
-                vrow[o] = vbuf.data() + o * D;
-              } else {
-                row_to_float(kr, kbuf.data() + o * D, D);
-                row_to_float(vr, vbuf.data() + o * D, D);
-                krow[o] = kbuf.data() + o * D;
-                vrow[o] = vbuf.data() + o * D;
-              }
-            }
-          }
-          // rows are in query order, so the ones that see this chunk (pos >= c0) are a suffix
-          int64_t r0 = 0;
-          while (pos[r0] < c0) ++r0;
-          const int64_t Ra = R - r0;
-          float* s0 = s.data() + r0 * CHUNK;
-          PrefetchQueue* pf = pfq.n ? &pfq : nullptr;
-          if constexpr (kv_is_int8) scores_block(qbuf.data() + r0 * D, Ra, krow8, kmul, n, D, scale, s0, pf);
-          else if constexpr (kv_is_bf16)
-            scores_block(qbuf.data() + r0 * D, Ra, krowb, static_cast<const float*>(nullptr), n, D, scale, s0, pf,
-                         std::is_same_v<qscalar_t, at::BFloat16>);
-          else scores_block(qbuf.data() + r0 * D, Ra, krow, static_cast<const float*>(nullptr), n, D, scale, s0, pf);
-          for (int64_t r = r0; r < R; ++r) {
-            const int64_t nv = std::min(n, pos[r] - c0 + 1);  // causal: keys of the chunk the row sees
-            float* sr = s.data() + r * CHUNK;
-            const float mx = max_of(sr, nv, m[r]);
-            const float corr = mx == m[r] ? 1.f : std::exp(m[r] - mx);  // m[r] = -inf on the first chunk -> 0
-            // int8: the V rows' block scales fold into the weights, after the sum
-            const float sum = exp_sub_sum(sr, nv, mx, kv_is_int8 ? vmul : nullptr);
-            std::fill(sr + nv, sr + n, 0.f);  // hidden keys weigh nothing in pv_block
-            float* ar = acc.data() + r * D;
-            if (corr != 1.f)
-              for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-            l[r] = l[r] * corr + sum;
-            m[r] = mx;
-          }
-          if constexpr (kv_is_int8) pv_block(s0, Ra, vrow8, n, D, acc.data() + r0 * D, pf);
-          else if constexpr (kv_is_bf16) pv_block(s0, Ra, vrowb, n, D, acc.data() + r0 * D, pf);
-          else pv_block(s0, Ra, vrow, n, D, acc.data() + r0 * D, pf);
-          if (pf) pf->issue(pf->n);  // whatever the loops left (short chunks, other paths)
-        }
-        if (w.split >= 0) {  // a part of a split: (max, sum, unnormalised rows); the last part done combines
-          float* pp = partials + w.part;
-          std::copy(m.begin(), m.begin() + R, pp);
-          std::copy(l.begin(), l.begin() + R, pp + R);
-          std::copy(acc.begin(), acc.begin() + R * D, pp + 2 * R);
-          const Split& sp = splits[w.split];
-          if (__atomic_add_fetch(&parts_done[w.split], 1, __ATOMIC_ACQ_REL) == sp.count) combine(sp, obuf);
-        } else {
-          for (int64_t r = 0; r < R; ++r) {
-            const float inv = 1.f / l[r];
-            for (int64_t d = 0; d < D; ++d) obuf[d] = acc[r * D + d] * inv;
-            float_to_row(obuf.data(), out_row(w, r), D);
-          }
-        }
-        __atomic_add_fetch(&items_done, 1, __ATOMIC_RELEASE);
       }
+      return -1;
+    };
+    for (int64_t run_end = 0, it = claim(run_end); it >= 0; it = claim(run_end)) {
+      const Item& w = items[it];
+      const Item* next = it + 1 < run_end ? &items[it + 1] : nullptr;  // the item it most likely claims next
+      const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
+      const int64_t first_pos = seq_lens[w.seq] - q_len;
+      const int64_t nq = w.q_end - w.q_begin, R = nq * group;
+      const int32_t* table = tables + w.seq * table_stride;
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t t = qsl[w.seq] + w.q_begin + qi;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = qi * group + g;
+          row_to_float(qp + t * qs0 + (w.kv_head * group + g) * qs1, qbuf.data() + r * D, D);
+          pos[r] = first_pos + w.q_begin + qi;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + R * D, 0.f);
+      std::fill(m.begin(), m.begin() + R, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + R, 0.f);
+      const int64_t kv_end = w.k_end;
+      for (int64_t c0 = w.k_begin; c0 < kv_end; c0 += CHUNK) {
+        const int64_t n = std::min(CHUNK, kv_end - c0);
+        // start loading the next chunk's K/V while this one is computed, where the hardware prefetcher can't guess
+        // it: a block that does not follow the previous one in the pool, or one of a page or more (fp32 at head_dim
+        // 64) that starts a page. Measured at 8k context, one thread (Zen 5): prefetching every block made int8
+        // over consecutive blocks 45% slower, every block that starts a page still 23%; with no prefetch at all,
+        // scattered blocks took 36% (int8) and 14% (fp32) longer, consecutive fp32 blocks 15%.
+        // (blocks are walked from the chunk's first: one 64-bit division per chunk, not one per block or key)
+        // AVX-512 paths (`spread`): the lines are queued and issued a few per score step and per P@V key instead of
+        // all at once. A burst of 256 prefetches (bf16, head_dim 64) waits on the core's ~16 line-fill buffers, so
+        // the chunk's compute only started once most of the next chunk was in flight: perf put 87% of the loop's
+        // own samples on the prefetch instructions. Spread (K and V lines interleaved, half over each loop), the
+        // W1 decode shape (64 sequences x 400 keys, 30 layers' bf16 pools, 2 threads, AMX Xeon) went from 39.3 to
+        // 32.4 ms (touching the lines alone: 25 ms; all in the score or all in the P@V loop: 36 ms; K lines first:
+        // 37-40 ms).
+        // The last chunk prefetches the first chunk of the thread's next item instead (its blocks are cold: an
+        // item of a W1 decode is 5-7 chunks).
+        const Item* ahead = c0 + CHUNK >= kv_end ? next : nullptr;  // the item whose first chunk comes next, if not w's
+        const Item& pw = ahead ? *ahead : w;
+        const int32_t* ptable = tables + pw.seq * table_stride;
+        const int64_t pstart = ahead ? ahead->k_begin : c0 + CHUNK;
+        const int64_t stop = std::min<int64_t>(pstart + CHUNK, pw.k_end);
+        pfq.n = pfq.i = 0;
+        for (int64_t lp = pstart, lb = lp / block_size, off = lp - lb * block_size; lp < stop; ++lb, off = 0) {
+          const int64_t cnt = std::min(block_size - off, stop - lp);
+          const int64_t slot0 = static_cast<int64_t>(ptable[lb]) * block_size + off;
+          const char* kr = reinterpret_cast<const char*>(kp + pw.kv_head * ks0 + slot0 * ks1);
+          const char* vr = reinterpret_cast<const char*>(vp + pw.kv_head * vs0 + slot0 * vs1);
+          lp += cnt;
+          const bool page_start = block_bytes >= 4096 && (reinterpret_cast<uintptr_t>(kr) & 4095) == 0;
+          const bool follows = ahead ? lp - cnt > pstart : lb > 0;  // a block after one being read
+          if (follows && ptable[lb] == ptable[lb - 1] + 1 && !page_start) continue;
+          for (int64_t b = 0; b < cnt * ks1 * static_cast<int64_t>(sizeof(kvscalar_t)); b += 64) {
+            if (spread) {
+              pfq.line[pfq.n++] = kr + b;
+              pfq.line[pfq.n++] = vr + b;
+              continue;
+            }
+            __builtin_prefetch(kr + b, 0, 3);
+            __builtin_prefetch(vr + b, 0, 3);
+          }
+        }
+        if (spread) {  // half over the score steps (n / 4), half over the P@V keys (n)
+          const int half = (pfq.n + 1) / 2;
+          pfq.per_scores = n >= 4 ? (half + n / 4 - 1) / (n / 4) : half;
+          pfq.per_pv = (half + n - 1) / n;
+        }
+        // the chunk's K/V row pointers, one block-table lookup per block
+        for (int64_t o = 0, lb = c0 / block_size, off = c0 - lb * block_size; o < n; ++lb, off = 0) {
+          const int64_t cnt = std::min(block_size - off, n - o);
+          const int64_t blk = table[lb], slot0 = blk * block_size + off;
+          const kvscalar_t* kr = kp + w.kv_head * ks0 + slot0 * ks1;
+          const kvscalar_t* vr = vp + w.kv_head * vs0 + slot0 * vs1;
+          [[maybe_unused]] float sk = 0.f, sv = 0.f;
+          if constexpr (is_code_v<kvscalar_t>) sk = ksc.at(w.kv_head, blk), sv = vsc.at(w.kv_head, blk);
+          for (int64_t j = 0; j < cnt; ++j, ++o, kr += ks1, vr += vs1) {
+            if constexpr (kv_is_float) {
+              krow[o] = reinterpret_cast<const float*>(kr);
+              vrow[o] = reinterpret_cast<const float*>(vr);
+            } else if constexpr (kv_is_bf16) {
+              krowb[o] = kr;
+              vrowb[o] = vr;
+            } else if constexpr (kv_is_int8) {
+              krow8[o] = reinterpret_cast<const int8_t*>(kr);
+              vrow8[o] = reinterpret_cast<const int8_t*>(vr);
+              kmul[o] = sk;
+              vmul[o] = sv;
+            } else if constexpr (is_code_v<kvscalar_t>) {
+              dequant_row<kvscalar_t::format>(&kr->b, sk, kbuf.data() + o * D, D);
+              dequant_row<kvscalar_t::format>(&vr->b, sv, vbuf.data() + o * D, D);
+              krow[o] = kbuf.data() + o * D;
+              vrow[o] = vbuf.data() + o * D;
+            } else {
+              row_to_float(kr, kbuf.data() + o * D, D);
+              row_to_float(vr, vbuf.data() + o * D, D);
+              krow[o] = kbuf.data() + o * D;
+              vrow[o] = vbuf.data() + o * D;
+            }
+          }
+        }
+        // rows are in query order, so the ones that see this chunk (pos >= c0) are a suffix
+        int64_t r0 = 0;
+        while (pos[r0] < c0) ++r0;
+        const int64_t Ra = R - r0;
+        float* s0 = s.data() + r0 * CHUNK;
+        PrefetchQueue* pf = pfq.n ? &pfq : nullptr;
+        if constexpr (kv_is_int8) scores_block(qbuf.data() + r0 * D, Ra, krow8, kmul, n, D, scale, s0, pf);
+        else if constexpr (kv_is_bf16)
+          scores_block(qbuf.data() + r0 * D, Ra, krowb, static_cast<const float*>(nullptr), n, D, scale, s0, pf,
+                       std::is_same_v<qscalar_t, at::BFloat16>);
+        else scores_block(qbuf.data() + r0 * D, Ra, krow, static_cast<const float*>(nullptr), n, D, scale, s0, pf);
+        for (int64_t r = r0; r < R; ++r) {
+          const int64_t nv = std::min(n, pos[r] - c0 + 1);  // causal: keys of the chunk the row sees
+          float* sr = s.data() + r * CHUNK;
+          const float mx = max_of(sr, nv, m[r]);
+          const float corr = mx == m[r] ? 1.f : std::exp(m[r] - mx);  // m[r] = -inf on the first chunk -> 0
+          // int8: the V rows' block scales fold into the weights, after the sum
+          const float sum = exp_sub_sum(sr, nv, mx, kv_is_int8 ? vmul : nullptr);
+          std::fill(sr + nv, sr + n, 0.f);  // hidden keys weigh nothing in pv_block
+          float* ar = acc.data() + r * D;
+          if (corr != 1.f)
+            for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+          l[r] = l[r] * corr + sum;
+          m[r] = mx;
+        }
+        if constexpr (kv_is_int8) pv_block(s0, Ra, vrow8, n, D, acc.data() + r0 * D, pf);
+        else if constexpr (kv_is_bf16) pv_block(s0, Ra, vrowb, n, D, acc.data() + r0 * D, pf);
+        else pv_block(s0, Ra, vrow, n, D, acc.data() + r0 * D, pf);
+        if (pf) pf->issue(pf->n);  // whatever the loops left (short chunks, other paths)
+      }
+      if (w.split >= 0) {  // a part of a split: (max, sum, unnormalised rows); the last part done combines
+        float* pp = partials + w.part;
+        std::copy(m.begin(), m.begin() + R, pp);
+        std::copy(l.begin(), l.begin() + R, pp + R);
+        std::copy(acc.begin(), acc.begin() + R * D, pp + 2 * R);
+        const Split& sp = splits[w.split];
+        if (__atomic_add_fetch(&parts_done[w.split], 1, __ATOMIC_ACQ_REL) == sp.count) combine(sp, obuf);
+      } else {
+        for (int64_t r = 0; r < R; ++r) {
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) obuf[d] = acc[r * D + d] * inv;
+          float_to_row(obuf.data(), out_row(w, r), D);
+        }
+      }
+      __atomic_add_fetch(&items_done, 1, __ATOMIC_RELEASE);
     }
     // The calling thread waits for the other threads' last items spinning (for at most JOIN_SPIN), so it reaches
     // the region's closing barrier last and passes it without sleeping: under pagedllm's OMP_WAIT_POLICY=PASSIVE
