@@ -91,6 +91,12 @@ def workload(tokenizer, cfg: dict, k: int, seed: int) -> tuple[list[BenchRequest
     return reqs, arrivals
 
 
+def arrival_ceiling(reqs: list[BenchRequest], arrivals: list[float]) -> float | None:
+    """The most output tok/s any server can show on this load: its tokens over the time the last request arrives
+    (the run's wall clock is at least that long). At a light rate it is the target's floor, not the server."""
+    return sum(r.max_tokens for r in reqs) / arrivals[-1] if arrivals and arrivals[-1] > 0 else None
+
+
 def vllm_serve_command(py: str, model_dir: str, port: int, dtype: str, max_model_len: int, seed: int) -> list[str]:
     """``vllm serve`` from vLLM's own venv (the ``vllm`` script next to ``py``) on the same weights and limits."""
     return [os.path.join(os.path.dirname(py), "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
@@ -173,6 +179,7 @@ def run(args) -> Report:
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
     tokenizer = load_tokenizer()
     loads = [workload(tokenizer, cfg, k, args.seed) for k in range(len(cfg["rates"]))]
+    cfg["ceilings"] = {str(rate): arrival_ceiling(*load) for rate, load in zip(cfg["rates"], loads)}
     warm = random_requests(tokenizer, 2, (16, 48), (4, 4), args.seed + 7)
     vllm_py = None if args.quick else vllm_python()
     systems = [OURS] + ([VLLM] if vllm_py else [])
@@ -214,11 +221,13 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
             if (m := avg.get(s, {}).get(rate)) is not None:
                 rows.append([rate, s, m["completed"], m["failed"], *(m[k] for k in METRICS)])
         if (o := avg.get(OURS, {}).get(rate)) and (v := avg.get(VLLM, {}).get(rate)):
-            ratio_rows.append([rate, *(ratio(o[k], v[k]) for k in METRICS)])
+            ratio_rows.append([rate, *(ratio(o[k], v[k]) for k in METRICS),
+                               ratio(cfg.get("ceilings", {}).get(rate), v["tok_s"])])
     cols = ["req/s", "system", "done", "failed", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
     tables = [Table(cols, rows, f"Serving under Poisson load (means over {cfg['rounds']} round(s))", 1)]
     if ratio_rows:
-        tables.append(Table(["req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], ratio_rows,
+        tables.append(Table(["req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                             "arrival ceiling / vLLM"], ratio_rows,
                             "pagedllm / vLLM (target: tok/s >= 1.5, TTFT <= 1)", 2))
     tables.append(Table(["req/s", "system", "client TTFT", "server TTFT", "before core", "queue", "prefill",
                          "outside server"],
@@ -234,7 +243,9 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
              f"vLLM dtype {dtype}, ours {ours} (each engine's choice for that dtype, as in bench throughput); "
              "servers one at a time, order alternating across rounds.",
              "Client-side timing: TTFT = send -> first text chunk; ITL = gaps between text chunks; out tok/s = the "
-             "servers' completion_tokens / (first send -> last end).",
+             "servers' completion_tokens / (first send -> last end). Arrival ceiling: the requests' output tokens "
+             "over the last arrival's offset, the most out tok/s any server can show on that load "
+             f"({', '.join(f'{r} req/s: {c:.1f}' for r, c in cfg.get('ceilings', {}).items() if c)}).",
              "TTFT split, from each server's vllm:* histograms: server TTFT = its arrival stamp -> first token = "
              "before core (-> its core takes the request in; ours stamps arrival there) + queue (-> first "
              "scheduled) + prefill (-> first token); outside server = client TTFT - server TTFT (HTTP, parsing, "
@@ -246,7 +257,7 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
     if errors:
         notes.append(f"errors: {errors}")
     res = {"mode": "vllm", "dtype": dtype, "ours": ours, **cfg, "runs": runs, "mean": avg,
-           "ratios": {r[0]: dict(zip(METRICS, r[1:])) for r in ratio_rows}}
+           "ratios": {r[0]: dict(zip((*METRICS, "ceiling"), r[1:])) for r in ratio_rows}}
     return Report("serve", "Serving: pagedllm serve vs vLLM's CPU server under Poisson load", notes, tables, res)
 
 

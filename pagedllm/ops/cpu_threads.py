@@ -11,7 +11,8 @@ busy process on one core: it does; a machine oversubscribed many times over: mor
 it is measured, not inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s``
 (the first time after ``first_trial_s``) runs ``trial_steps`` steps of one size on the other thread count and as
 many again on the current one; the other count takes over only when its median beats both, and only for steps of
-that size. Sizes choose apart because they answer apart: a decode step of a few rows is ~150 short parallel regions,
+that size. A trial whose first few steps are all clearly slower ends there (on free cores, one thread fewer runs
+batch-1 ~1.7x slower: its 8 trial steps cost a 128-token run ~4%). Sizes choose apart because they answer apart: a decode step of a few rows is ~150 short parallel regions,
 each a barrier a parked thread can hold up, where a prefill chunk's GEMMs are long enough to use every core they
 get. One choice for all sizes made serving slow: a trial on single-row decode steps that hit its deadline ran every
 step on one thread for 6 s, prefills included, and a verdict won on decode steps would have too (at 2 req/s, TTFT
@@ -63,8 +64,12 @@ class ThreadGovernor:
     TRIAL_MAX_BUCKET = bucket_of(63)
 
     def __init__(self, period_s: float = 2.0, trial_steps: int = 8, margin: float = 0.05,
-                 clock: Callable[[], float] = time.perf_counter, first_trial_s: float = 0.5):
+                 clock: Callable[[], float] = time.perf_counter, first_trial_s: float = 0.5, early_steps: int = 3,
+                 early_loss: float = 0.25):
         self.period_s, self.trial_steps, self.margin, self._clock = period_s, trial_steps, margin, clock
+        # the other count loses early when even the fastest of its first ``early_steps`` steps is ``early_loss``
+        # slower than the current count's median: it could not win by ``margin`` over the rest of the trial
+        self.early_steps, self.early_loss = early_steps, early_loss
         # The first trial comes sooner than ``period_s``: a team that waits on a contended core loses the most
         # before it (2 s is a whole 128-token batch-1 run; an AMX Xeon at spin 10000 ran 38 tok/s on two
         # contended threads, 60 on one)
@@ -101,7 +106,10 @@ class ThreadGovernor:
         full = len(self.samples[key]) >= self.trial_steps
         t = self.trial
         if t is not None:
-            if bucket == t.bucket and full and t.tried is None:  # measured the other count: back, measure again
+            if bucket == t.bucket and t.tried is None and self._lost_early(key, t.before):
+                self.samples.pop(key)
+                self._finish(now)
+            elif bucket == t.bucket and full and t.tried is None:  # measured the other count: back, measure again
                 t.tried = statistics.median(self.samples.pop(key))
                 self.samples.pop((t.back, bucket), None)
             elif bucket == t.bucket and full:
@@ -118,6 +126,11 @@ class ThreadGovernor:
             self.samples.pop((other, bucket), None)  # a trial measures the machine as it is now
             self.trial = Trial(self.threads, other, bucket, statistics.median(self.samples[key]), now,
                                now + 3 * self.period_s)
+
+    def _lost_early(self, key: tuple[int, int], before: float) -> bool:
+        """Whether the trial's first ``early_steps`` steps on the other count are all slower than it can afford."""
+        steps = self.samples[key]
+        return len(steps) == self.early_steps and min(steps) > (1 + self.early_loss) * before
 
     def _finish(self, now: float) -> None:
         """The next trial after ``period_s``, or 20 times this trial's length when that is longer: a trial's steps

@@ -117,8 +117,11 @@ def test_report_means_rounds_and_divides_ours_by_vllms():
     runs = [_run(OURS, 2.0, 0, 300.0, 100.0), _run(VLLM, 2.0, 0, 200.0, 200.0),
             _run(VLLM, 2.0, 1, 200.0, 100.0), _run(OURS, 2.0, 1, 340.0, 50.0),
             {"system": VLLM, "round": 2, "skipped": "server exited with code 1"}]
-    cfg = {"num_requests": 4, "rates": [2.0], "rounds": 2, "prompt_len": (32, 512), "output_len": (16, 256)}
+    cfg = {"num_requests": 4, "rates": [2.0], "rounds": 2, "prompt_len": (32, 512), "output_len": (16, 256),
+           "ceilings": {"2.0": 250.0}}
     rep = serve_vllm.report(runs, cfg, "float32", None, "--dtype float32: gguf")
+    assert rep.result["ratios"]["2.0"]["ceiling"] == 1.25  # no server could show more than 1.25x vLLM's 200
+    assert any("2.0 req/s: 250.0" in n for n in rep.notes)
     assert rep.result["mean"][OURS]["2.0"]["tok_s"] == 320.0
     assert rep.result["mean"][VLLM]["2.0"]["completed"] == 8
     assert rep.result["ratios"]["2.0"]["tok_s"] == 1.6
@@ -126,6 +129,20 @@ def test_report_means_rounds_and_divides_ours_by_vllms():
     assert any("round 2: not run: server exited" in n for n in rep.notes)
     assert any("vLLM dtype float32, ours --dtype float32: gguf" in n for n in rep.notes)
     assert [t.title for t in rep.tables][1].startswith("pagedllm / vLLM")
+
+
+def test_arrival_ceiling_is_the_loads_tokens_over_its_last_arrival():
+    from pagedllm.bench.workloads import BenchRequest
+
+    reqs = [BenchRequest([1, 2], 100), BenchRequest([3], 50), BenchRequest([4], 150)]
+    assert serve_vllm.arrival_ceiling(reqs, [0.0, 0.5, 2.0]) == 150.0  # 300 tokens, the last sent at 2 s
+    assert serve_vllm.arrival_ceiling(reqs[:1], [0.0]) is None  # one request at once: no bound from arrivals
+    from pagedllm.models.loader import load_tokenizer
+
+    cfg = {"num_requests": 64, "rates": [2.0], "prompt_len": (8, 16), "output_len": (16, 256)}
+    reqs, arrivals = serve_vllm.workload(load_tokenizer(), cfg, 0, seed=0)
+    ceiling = serve_vllm.arrival_ceiling(reqs, arrivals)
+    assert 20 < arrivals[-1] < 45 and ceiling == sum(r.max_tokens for r in reqs) / arrivals[-1]
 
 
 def _sse(*chunks: dict) -> bytes:
