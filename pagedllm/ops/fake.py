@@ -109,6 +109,16 @@ def _argmax_logsumexp(logits) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.new_empty(logits.shape[0], dtype=torch.int64), logits.new_empty(logits.shape[0])
 
 
+@_fake("sampling", "exponential_race")
+def _exponential_race(logits, temperature, keys, counters) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@_fake("sampling", "filtered_race")
+def _filtered_race(logits, temperature, top_k, top_p, min_p, keys, counters) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
 @_fake("quant_a8", "linear_a8")
 def _linear_a8(x, wq, qtype, bias=None) -> torch.Tensor:
     return x.new_empty((x.shape[0], wq.shape[0]))

@@ -1,5 +1,6 @@
 """The sampler's per-row reductions: ``argmax_logsumexp`` (``ops/csrc/sampling.cpp``) against ATen's argmax and
-logsumexp, ATen's rules included (first index of the maximum, NaN, rows of -inf), and the sampler on top of it."""
+logsumexp, ATen's rules included (first index of the maximum, NaN, rows of -inf), ``exponential_race`` against the
+same draw in tensor ops, and the sampler on top of them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import ops
+from pagedllm.worker.noise import exponential_noise
 from pagedllm.worker.sampler import greedy_and_normaliser, sample_plain
 
 pytestmark = pytest.mark.skipif(not ops.load("sampling"), reason="the sampling C++ op can't be built here")
@@ -55,3 +57,92 @@ def test_wrapper_and_plain_sampling_give_the_same_tokens_and_logprobs_as_log_sof
     torch.testing.assert_close(got_lp, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.pagedllm.argmax_logsumexp(logits.double())
+
+
+def _aten_race(logits, temps, keys, counters) -> torch.Tensor:
+    return ((logits / temps[:, None]).softmax(-1) / exponential_noise(keys, counters, logits.shape[1])).argmax(-1)
+
+
+def _race(logits, temps, keys, counters) -> torch.Tensor:
+    return torch.ops.pagedllm.exponential_race(logits, temps, keys, counters)
+
+
+@pytest.mark.parametrize("V", (5, 8, 1001, 49152))
+def test_exponential_race_draws_what_tensor_ops_draw(V: int) -> None:
+    """The same tokens as softmax / hashed noise / argmax in ATen: the hash's bits are the same, and leaving the
+    softmax's normaliser out (and the tokens that cannot win) changes only rounding. Two rows in 64 may differ on
+    a near-tie of another CPU's rounding; a wrong hash or scale would change most."""
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(64, V, generator=g) * 3
+    temps = torch.rand(64, generator=g) * 1.5 + 0.1
+    keys = torch.randint(0, 1 << 40, (64,), generator=g)
+    counters = torch.randint(0, 10_000, (64,), generator=g)
+    got, want = _race(logits, temps, keys, counters), _aten_race(logits, temps, keys, counters)
+    assert got.dtype == torch.int64 and int((got != want).sum()) <= 1, (got, want)
+    assert len(set(got.tolist())) >= min(V, 16) // 2, "draws spread over the vocabulary"
+
+
+def test_exponential_race_samples_the_distribution_and_never_a_masked_token() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0])  # 9 tokens: a vector and a tail
+    n = 20_000
+    logits = probs.log().expand(n, -1).contiguous()  # log(0) = -inf: masked
+    drawn = _race(logits, torch.ones(n), torch.arange(n, dtype=torch.int64) * 7919, torch.full((n,), 11))
+    freq = torch.bincount(drawn, minlength=9).float() / n
+    assert torch.allclose(freq, probs, atol=0.012), freq
+    # one sequence's steps (counters) too, at a temperature: softmax(log p / 2) is p^(1/2) normalised
+    drawn = _race(logits, torch.full((n,), 2.0), torch.full((n,), 12345), torch.arange(n))
+    want = probs.sqrt() / probs.sqrt().sum()
+    assert torch.allclose(torch.bincount(drawn, minlength=9).float() / n, want, atol=0.012)
+
+
+def test_exponential_race_edge_rows() -> None:
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
+    x[0] = float("-inf")  # nothing possible: ATen's softmax is NaN, its argmax 0
+    x[1, 7] = float("nan")
+    x[2, 3] = float("inf")
+    x[3, :] = float("-inf")
+    x[3, 37] = 0.0  # the one possible token, in the tail
+    keys, counters = torch.arange(6), torch.arange(6)
+    got = _race(x, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, -1.0]), keys, counters)
+    assert got[:4].tolist() == [0, 0, 0, 37]
+    ones = _race(x, torch.ones(6), keys, counters)
+    assert got[4:].tolist() == ones[4:].tolist(), "a temperature <= 0 counts as 1 (the caller keeps its greedy pick)"
+    with pytest.raises(RuntimeError, match="one entry per logits row"):
+        _race(x, torch.ones(5), keys, counters)
+
+
+def test_plain_and_full_sampler_draw_alike_through_the_race() -> None:
+    """``sample_plain`` (decode graphs) and the sampler's temperature path take the same race on the CPU."""
+    from pagedllm import SamplingParams
+    from pagedllm.worker.sampler import sample_random
+
+    logits = torch.randn(16, 3000, generator=torch.Generator().manual_seed(5)) * 2
+    temps = torch.linspace(0.2, 1.5, 16)
+    keys, counters = torch.arange(16, dtype=torch.int64) * 31, torch.full((16,), 40)
+    params = [SamplingParams(temperature=float(t)) for t in temps]
+    full = sample_random(logits, params, keys, counters)
+    plain, lps = sample_plain(logits, temps, keys, counters, random=True)
+    assert torch.equal(full, plain) and torch.equal(plain, _race(logits, temps, keys, counters))
+    torch.testing.assert_close(lps, logits.log_softmax(-1).gather(1, plain[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", (0.05, 3.0, 30.0))  # nearly flat rows (whole-row fallbacks) to peaked ones
+def test_filtered_race_keeps_what_filter_logits_keeps(scale: float) -> None:
+    """top-k / top-p / min-p per row, without sorting rows: the same draws as filter_logits, then the race."""
+    from pagedllm.worker.sampler import filter_logits
+
+    g = torch.Generator().manual_seed(int(scale * 100))
+    R, V = 48, 3001
+    logits = torch.randn(R, V, generator=g) * scale
+    temps = torch.rand(R, generator=g) + 0.3
+    top_k = torch.tensor([[V, 1, 5, 40, V + 7, 2000][i % 6] for i in range(R)])
+    top_p = torch.tensor([[1.0, 0.9, 0.5, 0.99, 0.05][i % 5] for i in range(R)])
+    min_p = torch.tensor([[0.0, 0.0, 0.1, 0.5, 0.01, 0.0, 0.0][i % 7] for i in range(R)])
+    keys, counters = torch.arange(R, dtype=torch.int64) * 977, torch.arange(R, dtype=torch.int64) + 3
+    want = _aten_race(filter_logits(logits / temps[:, None], top_k.clamp(max=V), top_p, min_p), torch.ones(R), keys,
+                      counters)
+    got = torch.ops.pagedllm.filtered_race(logits, temps, top_k, top_p, min_p, keys, counters)
+    assert int((got != want).sum()) <= 1, (got, want)
+    assert bool((got[1::6] == (logits / temps[:, None]).argmax(-1)[1::6]).all()), "top_k 1 is greedy"
+    with pytest.raises(RuntimeError, match="one entry per logits row"):
+        torch.ops.pagedllm.filtered_race(logits, temps, top_k[:5], top_p, min_p, keys, counters)
