@@ -163,13 +163,30 @@ int64_t row_filtered_race(const float* x, int64_t n, float t, int64_t k, float t
   if (!std::isfinite(mx)) return 0;
   const float sm = mx / t;
   e.resize(n);
-  double z = 0.0;
-  for (int64_t i = 0; i < n; ++i) z += e[i] = std::exp(x[i] / t - sm);
+  const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(sm);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = Sleef_expf8_u10(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vt), vm));
+    _mm256_storeu_ps(e.data() + i, v);
+    acc = _mm256_add_ps(acc, v);
+  }
+  double z = hsum8(acc);
+  for (; i < n; ++i) z += e[i] = std::exp(x[i] / t - sm);
   for (float tau = 1.0f / 64;; tau = tau > 1e-30f ? tau / 64 : 0.0f) {
     cand.clear();
     double mass = 0.0;
-    for (int64_t i = 0; i < n; ++i)
-      if (e[i] >= tau && e[i] > 0.0f) cand.emplace_back(x[i] / t, static_cast<int32_t>(i)), mass += e[i];
+    const __m256 vtau = _mm256_set1_ps(std::max(tau, std::numeric_limits<float>::denorm_min()));
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {  // most vectors hold no token at or above tau
+      for (int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e.data() + j), vtau, _CMP_GE_OQ)); bits;
+           bits &= bits - 1) {
+        const int64_t c = j + __builtin_ctz(bits);
+        cand.emplace_back(x[c] / t, static_cast<int32_t>(c)), mass += e[c];
+      }
+    }
+    for (; j < n; ++j)
+      if (e[j] >= tau && e[j] > 0.0f) cand.emplace_back(x[j] / t, static_cast<int32_t>(j)), mass += e[j];
     if (static_cast<int64_t>(cand.size()) >= k || mass > top_p * z * (1 + 1e-5) || tau <= min_p || tau == 0.0f) break;
   }
   std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
