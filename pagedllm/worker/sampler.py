@@ -109,7 +109,9 @@ def sample_random(logits: torch.Tensor, params: list[SamplingParams], noise_keys
         return exponential_race(logits, temps, noise_keys, counters)
     top_k = row_settings([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64, dev)
     top_p, min_p = row_settings([[p.top_p, p.min_p] for p in params], torch.float32, dev).unbind(1)
-    if _cpu_race(logits):  # the same rules without sorting whole rows (64 rows of 49,152 logits, Zen 4: top-p 0.9 137-158 -> 6 ms, top-k 50 142-148 -> 3.5)
+    # on the CPU the same rules without sorting whole rows (64 rows of 49,152 logits, Zen 4: top-p 0.9 137-158 -> 6 ms,
+    # top-k 50 142-148 -> 3.5)
+    if _cpu_race(logits):
         return torch.ops.pagedllm.filtered_race.default(logits.contiguous(), temps, top_k, top_p.contiguous(),
                                                         min_p.contiguous(), *_race_keys(noise_keys, counters))
     scaled = filter_logits(logits / temps[:, None], top_k, top_p, min_p)
