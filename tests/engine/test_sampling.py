@@ -121,6 +121,39 @@ def test_penalties_change_distribution_vectorised():
     assert torch.allclose(got, want)
 
 
+def test_penalties_touch_only_history_tokens_with_the_dense_masks_values():
+    """Gathering a row's history tokens, adjusting and scattering them back gives the bits of the dense
+    ``[rows, vocab]`` masks, whatever the rows' lengths (padding slots repeat a row's first token)."""
+    from pagedllm.worker.sampler import SamplingBatch, apply_penalties
+
+    g = torch.Generator().manual_seed(4)
+    rows, vocab, width = 6, 300, 40
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    history = torch.randint(0, vocab, (rows, width), generator=g)
+    num_prompt = torch.tensor([5, 1, 20, 39, 10, 2])
+    num_tokens = torch.tensor([12, 1, 40, 39, 25, 2])  # outputs from num_prompt on; slots past num_tokens are padding
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=-0.5),
+              SamplingParams(presence_penalty=1.0), SamplingParams(), SamplingParams(repetition_penalty=2.0)]
+    got = apply_penalties(logits, SamplingBatch(params, torch.zeros(rows, dtype=torch.int64), history, num_prompt,
+                                                num_tokens))
+    pos = torch.arange(width)[None, :]
+    valid, out = pos < num_tokens[:, None], (pos < num_tokens[:, None]) & (pos >= num_prompt[:, None])
+    counts = torch.zeros(rows, vocab + 1).scatter_add_(1, torch.where(out, history, vocab), torch.ones(rows, width))
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool).scatter_(1, torch.where(valid, history, vocab), True)
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params])[:, None]
+    want = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    want = want - freq * counts - pres * (counts > 0).float()
+    assert torch.equal(got, want)
+    assert not torch.equal(got, logits)
+    empty = SamplingBatch(params, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, 0, dtype=torch.int64),
+                          torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
+    assert apply_penalties(logits, empty) is logits
+
+
 def test_top_k_top_p_min_p_filter():
     from pagedllm.worker.sampler import filter_logits
 
