@@ -15,10 +15,14 @@ import time
 from pagedllm.bench.workloads import BenchRequest
 
 
-async def stream_one(client, url: str, model: str, r: BenchRequest) -> dict:
-    """One greedy streamed completion of ``r`` (ignore_eos: every request makes ``r.max_tokens`` tokens)."""
-    body = {"model": model, "prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+GREEDY = {"temperature": 0.0}
+
+
+async def stream_one(client, url: str, model: str, r: BenchRequest, sampling: dict | None = None) -> dict:
+    """One streamed completion of ``r`` (ignore_eos: every request makes ``r.max_tokens`` tokens), greedy unless
+    ``sampling`` gives the body's sampling fields."""
+    body = {"model": model, "prompt": r.prompt_ids, "max_tokens": r.max_tokens, **(sampling or GREEDY),
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     res = {"label": r.label, "ttft": None, "itl": [], "tokens": 0, "error": None}
     t0 = last = time.monotonic()
     try:
@@ -47,8 +51,9 @@ async def stream_one(client, url: str, model: str, r: BenchRequest) -> dict:
 
 
 async def drive(base_url: str, model: str, reqs: list[BenchRequest], arrivals: list[float],
-                timeout_s: float = 1800.0) -> tuple[list[dict], float]:
-    """Send ``reqs[i]`` at ``arrivals[i]`` s after the start; (records, wall seconds until the last one ended)."""
+                timeout_s: float = 1800.0, sampling: dict | None = None) -> tuple[list[dict], float]:
+    """Send ``reqs[i]`` at ``arrivals[i]`` s after the start (with ``sampling``'s fields, default greedy); (records,
+    wall seconds until the last one ended)."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(reqs) + 1, max_keepalive_connections=len(reqs) + 1)
@@ -57,7 +62,7 @@ async def drive(base_url: str, model: str, reqs: list[BenchRequest], arrivals: l
 
         async def at(i: int, r: BenchRequest) -> dict:
             await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
-            return await stream_one(client, f"{base_url}/v1/completions", model, r)
+            return await stream_one(client, f"{base_url}/v1/completions", model, r, sampling)
 
         results = await asyncio.gather(*(at(i, r) for i, r in enumerate(reqs)))
         return list(results), time.monotonic() - t0

@@ -3,7 +3,7 @@ same Poisson load, one after the other in one run.
 
 Both servers get the same weights (vLLM the HF directory the loader converts the embedded GGUF into), the same
 ``--max-model-len`` and served model name, and the same requests: W1-shaped streaming
-completions of Wikipedia text (``ignore_eos``, greedy), sent at seeded Poisson arrival times at each rate (a
+completions of Wikipedia text (``ignore_eos``, greedy unless ``--sampling chat``), sent at seeded Poisson arrival times at each rate (a
 light one and a saturating one). Each rate has its own prompts, so the second rate on a server is no prefix-cache
 replay of the first. Never both servers at once (2 cores): per round one server starts, is warmed up, serves
 every rate, and stops; the other follows; the order alternates across rounds (ours first in even rounds).
@@ -27,7 +27,7 @@ import sys
 
 from pagedllm.bench.common import ratio
 from pagedllm.bench.report import Report, Table
-from pagedllm.bench.serve_http import drive
+from pagedllm.bench.serve_http import GREEDY, drive
 from pagedllm.bench.serve_procs import (
     free_port,
     launch,
@@ -42,6 +42,10 @@ OURS, VLLM = "pagedllm serve", "vLLM CPU serve"
 SERVED_NAME = "smollm2"
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 SPLIT = ("client", "ttft", "before_core", "queue", "prefill", "outside")  # serve_split.split's means, ms
+# --sampling -> the completions' sampling fields; chat: what many chat clients send (top_k and the repetition penalty
+# are vLLM's extensions of the OpenAI body, served by both servers)
+SAMPLING = {"greedy": GREEDY,
+            "chat": {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "presence_penalty": 0.5, "repetition_penalty": 1.1}}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", default=None, help="with --baselines vllm: prompt tokens LO-HI (default 32-512)")
     p.add_argument("--output-range", default=None, help="with --baselines vllm: output tokens LO-HI (default 16-256)")
     p.add_argument("--max-model-len", type=int, default=2048, help="with --baselines vllm: both servers' limit")
+    p.add_argument("--sampling", choices=tuple(SAMPLING), default="greedy",
+                   help="with --baselines vllm: the requests' sampling fields: greedy (default), or chat: "
+                        + ", ".join(f"{k} {v}" for k, v in SAMPLING["chat"].items()))
 
 
 def settings(args) -> dict:
@@ -78,7 +85,8 @@ def settings(args) -> dict:
     return {"num_requests": args.num_requests or (6 if q else 64), "rates": rates,
             "rounds": args.rounds or (1 if q else 2),
             "prompt_len": span("--prompt-len", args.prompt_len or ("8-48" if q else "32-512")),
-            "output_len": span("--output-range", args.output_range or ("4-16" if q else "16-256"))}
+            "output_len": span("--output-range", args.output_range or ("4-16" if q else "16-256")),
+            "sampling": args.sampling}
 
 
 def workload(tokenizer, cfg: dict, k: int, seed: int) -> tuple[list[BenchRequest], list[float]]:
@@ -157,7 +165,7 @@ def serve_round(system: str, args, cfg: dict, dtype: str, vllm_py: str | None, l
         asyncio.run(drive(url, SERVED_NAME, warm, [0.0] * len(warm)))
         for k, (reqs, arrivals) in enumerate(loads):
             before = scrape(url)
-            results, wall = asyncio.run(drive(url, SERVED_NAME, reqs, arrivals))
+            results, wall = asyncio.run(drive(url, SERVED_NAME, reqs, arrivals, sampling=SAMPLING[cfg["sampling"]]))
             stats = summarize(results, wall, {})
             out.append({"system": system, "rate": cfg["rates"][k], "load": os.getloadavg()[0], **stats,
                         "split": split(before, scrape(url), stats["ttft_s"])})
@@ -238,8 +246,10 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
                         [[r["round"], str(r["rate"]), r["system"], r["load"], r["tok_s"], r["all"]["ttft_p50"],
                           r["all"]["ttft_p99"]] for r in runs if "skipped" not in r], "Per round, in run order", 1))
     n, (plo, phi), (olo, ohi) = cfg["num_requests"], cfg["prompt_len"], cfg["output_len"]
+    sampling = cfg.get("sampling", "greedy")
+    fields = ", ".join(f"{k} {v}" for k, v in SAMPLING[sampling].items())
     notes = [f"{n} streaming /v1/completions per rate (prompts {plo}-{phi} tokens of Wikipedia text, {olo}-{ohi} "
-             f"output tokens, greedy, ignore_eos), Poisson arrivals at {', '.join(map(str, cfg['rates']))} req/s; "
+             f"output tokens, {sampling} sampling ({fields}), ignore_eos), Poisson arrivals at {', '.join(map(str, cfg['rates']))} req/s; "
              f"vLLM dtype {dtype}, ours {ours} (each engine's choice for that dtype, as in bench throughput); "
              "servers one at a time, order alternating across rounds.",
              "Client-side timing: TTFT = send -> first text chunk; ITL = gaps between text chunks; out tok/s = the "

@@ -1,7 +1,8 @@
 """``pagedllm bench steptime``: where a decode step's host time goes (issue 30, item 1 on the CPU); with
 ``--w1``, where a whole W1 run's step time goes, model ops included (issue 36, item 4: ``bench/step_split.py``).
 
-Runs greedy and sampled decode at a few batch sizes through ``LLMEngine.step`` with the step's parts
+Runs greedy, sampled and filtered decode (temperature 1 with top-k 50, top-p 0.9, repetition and presence
+penalties: the settings of many chat clients) at a few batch sizes through ``LLMEngine.step`` with the step's parts
 timed by wrapping their methods in this process: scheduling, the core's diff for the worker, the
 worker's batch update and input preparation, the forward pass, the LM head, the sampler, folding the
 outputs into the core (stop rules), and the front end (detokenization, stop strings). "other" is the
@@ -54,12 +55,19 @@ def timed_parts(totals: dict[str, float]):
             setattr(klass, meth, orig)
 
 
-def _breakdown(llm, batch: int, steps: int, temperature: float) -> dict[str, float]:
+# column -> the requests' sampling settings
+SETTINGS = {"greedy": {"temperature": 0.0},
+            "sampled": {"temperature": 1.0, "seed": 1},
+            "filtered": {"temperature": 1.0, "seed": 1, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.1,
+                         "presence_penalty": 0.5}}
+
+
+def _breakdown(llm, batch: int, steps: int, settings: dict) -> dict[str, float]:
     """Mean ms per decode step of each part, over ``steps`` steps of ``batch`` sequences (prefill excluded)."""
     from pagedllm.protocol import SamplingParams
 
     eng = llm.engine
-    params = SamplingParams(temperature=temperature, max_tokens=steps + 2, ignore_eos=True, seed=1 if temperature else None)
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, **settings)
     for i in range(batch):
         eng.add_request([100 + i] * 64, params)
     eng.step()  # the prefill
@@ -120,10 +128,10 @@ def run(args) -> Report:
     llm = LLM(dtype=args.dtype, seed=args.seed, **{"kv_cache_memory": 256 << 20, **args.engine_args})
     cols, res = [], {}
     for b in sizes:
-        for temp in (0.0, 1.0):
-            name = f"batch {b} {'greedy' if temp == 0 else 'sampled'}"
+        for kind, settings in SETTINGS.items():
+            name = f"batch {b} {kind}"
             cols.append(name)
-            res[name] = _breakdown(llm, b, steps, temp)
+            res[name] = _breakdown(llm, b, steps, settings)
     labels = ["step (total)", *PARTS, "other"]
     rows = [[lab] + [res[c].get(lab, 0.0) for c in cols] for lab in labels]
     rows += [[f"{lab} (%)"] + [100 * res[c].get(lab, 0.0) / res[c]["step (total)"] for c in cols]

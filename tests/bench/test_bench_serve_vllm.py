@@ -149,7 +149,7 @@ def _sse(*chunks: dict) -> bytes:
     return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
-def _stream(handler, max_tokens: int) -> dict:
+def _stream(handler, max_tokens: int, sampling: dict | None = None) -> dict:
     import asyncio
 
     import httpx
@@ -159,7 +159,8 @@ def _stream(handler, max_tokens: int) -> dict:
 
     async def go() -> dict:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await stream_one(client, "http://srv/v1/completions", "m", BenchRequest([1, 2, 3], max_tokens, "x"))
+            return await stream_one(client, "http://srv/v1/completions", "m", BenchRequest([1, 2, 3], max_tokens, "x"),
+                                    sampling)
 
     return asyncio.run(go())
 
@@ -179,6 +180,10 @@ def test_stream_one_times_text_chunks_and_counts_the_servers_tokens():
     assert sent["prompt"] == [1, 2, 3] and sent["max_tokens"] == 3
     assert r["error"] is None and r["tokens"] == 3 and r["ttft"] >= 0
     assert len(r["itl"]) == 2  # three text chunks; the empty one is no token gap
+    assert sent["temperature"] == 0.0 and "top_p" not in sent  # greedy by default
+    sent.clear()
+    assert _stream(handler, 3, serve_vllm.SAMPLING["chat"])["error"] is None
+    assert {k: sent[k] for k in serve_vllm.SAMPLING["chat"]} == serve_vllm.SAMPLING["chat"] and sent["top_k"] == 50
 
 
 def test_stream_one_reports_refusals_and_short_streams_as_failures():
