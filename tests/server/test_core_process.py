@@ -62,14 +62,15 @@ def test_health_answers_while_the_core_is_busy(live):
     while running(url) == 0:  # the core has started generating
         assert time.monotonic() < deadline and any(t.is_alive() for t in threads)
         time.sleep(0.05)
-    answered = 0
+    answered = 0  # health checks answered with the core still generating after them
     while any(t.is_alive() for t in threads) and answered < 20:
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # never stuck behind the core's steps
-        answered += 1
-    busy = any(t.is_alive() for t in threads)
+        answered += any(t.is_alive() for t in threads)
     for t in threads:
         t.join()
-    assert answered == 20 and busy, "the health checks ran while the core was generating"
+    # on a loaded machine (CI's other test worker on the second core) a check can take a few hundred ms, so the
+    # generation may end before 20 of them: a few answered while it ran are the point
+    assert answered >= 3, f"only {answered} health checks were answered while the core was generating"
     # its latency under load is the load test's figure (scripts/load_test.py), not a unit test's
 
 
