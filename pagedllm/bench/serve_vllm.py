@@ -3,9 +3,9 @@ same Poisson load, one after the other in one run.
 
 Both servers get the same weights (vLLM the HF directory the loader converts the embedded GGUF into), the same
 ``--max-model-len`` and served model name, and the same requests: W1-shaped streaming
-completions of Wikipedia text (``ignore_eos``, greedy unless ``--sampling chat``), sent at seeded Poisson arrival times at each rate (a
-light one and a saturating one). Each rate has its own prompts, so the second rate on a server is no prefix-cache
-replay of the first. Never both servers at once (2 cores): per round one server starts, is warmed up, serves
+completions of Wikipedia text (``ignore_eos``, greedy unless ``--sampling chat``), sent at seeded Poisson arrival
+times at each rate (a light one and a saturating one). Each rate has its own prompts, so the second rate on a server
+is no prefix-cache replay of the first. Never both servers at once (2 cores): per round one server starts, is warmed up, serves
 every rate, and stops; the other follows; the order alternates across rounds (ours first in even rounds).
 ``--quick`` (the CI smoke test; CI has no vLLM) runs our server only on a tiny workload.
 
@@ -36,16 +36,13 @@ from pagedllm.bench.serve_procs import (
 )
 from pagedllm.bench.serve_split import scrape, split
 from pagedllm.bench.serve_stats import summarize
-from pagedllm.bench.workloads import BenchRequest, random_requests
+from pagedllm.bench.workloads import CHAT_SAMPLING, BenchRequest, random_requests
 
 OURS, VLLM = "pagedllm serve", "vLLM CPU serve"
 SERVED_NAME = "smollm2"
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 SPLIT = ("client", "ttft", "before_core", "queue", "prefill", "outside")  # serve_split.split's means, ms
-# --sampling -> the completions' sampling fields; chat: what many chat clients send (top_k and the repetition penalty
-# are vLLM's extensions of the OpenAI body, served by both servers)
-SAMPLING = {"greedy": GREEDY,
-            "chat": {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "presence_penalty": 0.5, "repetition_penalty": 1.1}}
+SAMPLING = {"greedy": GREEDY, "chat": CHAT_SAMPLING}  # --sampling -> the completions' sampling fields
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -249,7 +246,8 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
     sampling = cfg.get("sampling", "greedy")
     fields = ", ".join(f"{k} {v}" for k, v in SAMPLING[sampling].items())
     notes = [f"{n} streaming /v1/completions per rate (prompts {plo}-{phi} tokens of Wikipedia text, {olo}-{ohi} "
-             f"output tokens, {sampling} sampling ({fields}), ignore_eos), Poisson arrivals at {', '.join(map(str, cfg['rates']))} req/s; "
+             f"output tokens, {sampling} sampling ({fields}), ignore_eos), Poisson arrivals at "
+             f"{', '.join(map(str, cfg['rates']))} req/s; "
              f"vLLM dtype {dtype}, ours {ours} (each engine's choice for that dtype, as in bench throughput); "
              "servers one at a time, order alternating across rounds.",
              "Client-side timing: TTFT = send -> first text chunk; ITL = gaps between text chunks; out tok/s = the "

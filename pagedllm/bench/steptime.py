@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 
 from pagedllm.bench.report import Report, Table
+from pagedllm.bench.workloads import CHAT_SAMPLING
 
 PARTS = {  # label -> (module, class, method)
     "schedule": ("pagedllm.core.scheduler", "Scheduler", "schedule"),
@@ -56,10 +57,8 @@ def timed_parts(totals: dict[str, float]):
 
 
 # column -> the requests' sampling settings
-SETTINGS = {"greedy": {"temperature": 0.0},
-            "sampled": {"temperature": 1.0, "seed": 1},
-            "filtered": {"temperature": 1.0, "seed": 1, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.1,
-                         "presence_penalty": 0.5}}
+SETTINGS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "seed": 1},
+            "filtered": {**CHAT_SAMPLING, "seed": 1}}
 
 
 def _breakdown(llm, batch: int, steps: int, settings: dict) -> dict[str, float]:

@@ -11,12 +11,13 @@ busy process on one core: it does; a machine oversubscribed many times over: mor
 it is measured, not inferred: :class:`ThreadGovernor` times every forward pass per step size, and every ``period_s``
 (the first time after ``first_trial_s``) runs ``trial_steps`` steps of one size on the other thread count and as
 many again on the current one; the other count takes over only when its median beats both, and only for steps of
-that size. A trial whose first few steps are all clearly slower ends there (on free cores, one thread fewer runs
-batch-1 ~1.7x slower: its 8 trial steps cost a 128-token run ~4%). Sizes choose apart because they answer apart: a decode step of a few rows is ~150 short parallel regions,
-each a barrier a parked thread can hold up, where a prefill chunk's GEMMs are long enough to use every core they
-get. One choice for all sizes made serving slow: a trial on single-row decode steps that hit its deadline ran every
-step on one thread for 6 s, prefills included, and a verdict won on decode steps would have too (at 2 req/s, TTFT
-p99 ~2x the fixed policy's; see bench/README.md, threads).
+that size. A trial whose first few steps are all clearly slower ends there (on free cores one thread fewer runs
+batch-1 ~1.6x slower, and 8 such steps cost a 128-token run ~2-3%). Sizes choose apart because they answer apart: a
+decode step of a few rows is ~150 short parallel regions, each a barrier a parked thread can hold up, where a
+prefill chunk's GEMMs are long enough to use every core they get. One choice for all sizes made serving slow: a trial
+on single-row decode steps that hit its deadline ran every step on one thread for 6 s, prefills included, and a
+verdict won on decode steps would have too (at 2 req/s, TTFT p99 ~2x the fixed policy's; see bench/README.md,
+threads).
 """
 
 from __future__ import annotations

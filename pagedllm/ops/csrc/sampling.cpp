@@ -111,6 +111,12 @@ inline __m256 uniform8(__m256i row, const uint32_t* col) {
   return _mm256_min_ps(u, _mm256_set1_ps(kBelowOne));
 }
 
+// One token's Exp(1) draw, -log(u), from the row's and the token id's hashes (uniform8's u on one lane).
+inline float exponential1(uint32_t row, uint32_t col) {
+  const uint32_t h = mix32(row ^ col);
+  return -std::log(std::min(((h >> 8) + 0.5f) * kTwo24, kBelowOne));
+}
+
 // The row's draw: the first index of the largest w = exp(x / t - max / t) / E; 0 when the maximum is not finite
 // (ATen's softmax is all NaN then, and its argmax 0). `row`: the row's hashed key and counter; `col`: each token's
 // hashed id. A token can only beat the best w so far if E < p / best, and E = -log(u) >= 1 - u: tokens with
@@ -129,7 +135,8 @@ int64_t row_race(const float* x, int64_t n, float t, uint32_t row, const uint32_
   for (; i + 8 <= n; i += 8, ids = _mm256_add_epi32(ids, step)) {
     const __m256 p = Sleef_expf8_u10(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vt), vm));
     const __m256 u = uniform8(vrow, col + i);
-    const __m256 maybe = _mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(one, u), best), _mm256_mul_ps(p, margin), _CMP_LT_OQ);
+    const __m256 maybe =
+        _mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(one, u), best), _mm256_mul_ps(p, margin), _CMP_LT_OQ);
     if (!_mm256_movemask_ps(maybe)) continue;
     const __m256 w = _mm256_div_ps(p, _mm256_sub_ps(_mm256_setzero_ps(), Sleef_logf8_u10(u)));
     const __m256 gt = _mm256_cmp_ps(w, best, _CMP_GT_OQ);  // strict: each lane keeps its first maximum
@@ -145,9 +152,7 @@ int64_t row_race(const float* x, int64_t n, float t, uint32_t row, const uint32_
   for (int l = 0; l < 8; ++l)
     if (b[l] > top || (b[l] == top && id[l] < arg)) top = b[l], arg = id[l];
   for (; i < n; ++i) {
-    const uint32_t h = mix32(row ^ col[i]);
-    const float u = std::min(((h >> 8) + 0.5f) * kTwo24, kBelowOne);
-    const float w = std::exp(x[i] / t - scaled_max) / -std::log(u);
+    const float w = std::exp(x[i] / t - scaled_max) / exponential1(row, col[i]);
     if (w > top) top = w, arg = i;
   }
   return arg;
@@ -202,9 +207,7 @@ int64_t row_filtered_race(const float* x, int64_t n, float t, int64_t k, float t
     const float p = e[i] * inv_z;
     if (r >= k || before > top_p || e[i] < min_p) break;
     before += p;
-    const uint32_t h = mix32(row ^ col[i]);
-    const float u = std::min(((h >> 8) + 0.5f) * kTwo24, kBelowOne);
-    const float w = e[i] / -std::log(u);
+    const float w = e[i] / exponential1(row, col[i]);
     if (w > top || (w == top && i < arg)) top = w, arg = i;
   }
   return arg;
@@ -265,15 +268,15 @@ torch::Tensor filtered_race(torch::Tensor logits, torch::Tensor temperature, tor
   TORCH_CHECK(k.numel() == T && pp.numel() == T && mp.numel() == T,
               "filtered_race: top_k, top_p and min_p need one entry per logits row");
   const float* xp = logits.data_ptr<float>();
+  const int64_t* kk = k.data_ptr<int64_t>();
+  const float *ppp = pp.data_ptr<float>(), *mpp = mp.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e;
     std::vector<std::pair<float, int32_t>> cand;
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t kr = k.data_ptr<int64_t>()[r];
-      op[r] = row_filtered_race(xp + r * V, V, tp[r] > 0.f ? tp[r] : 1.f, kr > 0 ? kr : V, pp.data_ptr<float>()[r],
-                                mp.data_ptr<float>()[r], row_key(kp[r], cp[r]), col.data(), e, cand);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = row_filtered_race(xp + r * V, V, tp[r] > 0.f ? tp[r] : 1.f, kk[r] > 0 ? kk[r] : V, ppp[r], mpp[r],
+                                row_key(kp[r], cp[r]), col.data(), e, cand);
   });
   return out;
 }
