@@ -144,5 +144,8 @@ def test_filtered_race_keeps_what_filter_logits_keeps(scale: float) -> None:
     got = torch.ops.pagedllm.filtered_race(logits, temps, top_k, top_p, min_p, keys, counters)
     assert int((got != want).sum()) <= 1, (got, want)
     assert bool((got[1::6] == (logits / temps[:, None]).argmax(-1)[1::6]).all()), "top_k 1 is greedy"
+    plain = (top_k >= V) & (top_p == 1.0) & (min_p == 0.0)  # a batch mate's filter: these rows keep every token
+    assert int(plain.sum()) >= 2
+    assert torch.equal(got[plain], _race(logits, temps, keys, counters)[plain])
     with pytest.raises(RuntimeError, match="one entry per logits row"):
         torch.ops.pagedllm.filtered_race(logits, temps, top_k[:5], top_p, min_p, keys, counters)

@@ -274,9 +274,14 @@ torch::Tensor filtered_race(torch::Tensor logits, torch::Tensor temperature, tor
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> e;
     std::vector<std::pair<float, int32_t>> cand;
-    for (int64_t r = begin; r < end; ++r)
-      op[r] = row_filtered_race(xp + r * V, V, tp[r] > 0.f ? tp[r] : 1.f, kk[r] > 0 ? kk[r] : V, ppp[r], mpp[r],
-                                row_key(kp[r], cp[r]), col.data(), e, cand);
+    for (int64_t r = begin; r < end; ++r) {
+      const float t = tp[r] > 0.f ? tp[r] : 1.f;
+      const int64_t k_r = kk[r] > 0 && kk[r] < V ? kk[r] : V;
+      op[r] = k_r == V && ppp[r] >= 1.f && mpp[r] <= 0.f  // a batch mate's filter: this row keeps every token
+                  ? row_race(xp + r * V, V, t, row_key(kp[r], cp[r]), col.data())
+                  : row_filtered_race(xp + r * V, V, t, k_r, ppp[r], mpp[r], row_key(kp[r], cp[r]), col.data(), e,
+                                      cand);
+    }
   });
   return out;
 }
