@@ -34,6 +34,20 @@ def test_amx_linear_is_the_bf16_product_rounded_once(M, K, N):
     assert torch.equal(y[:1], torch.ops.pagedllm.amx_linear_bf16(x[:1], torch.ops.pagedllm.amx_pack_bf16(w), N))
 
 
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("M", [2, 7, 9, 15, 17, 26, 33, 63])
+def test_a_row_does_not_depend_on_its_batch_mates(M, silu):
+    """Rows go through the kernel in runs of up to 8 (row counts split evenly over the runs, x's K pairs transposed
+    per run): each row's result is the one it gets alone, bit for bit, whatever run and slot it lands in."""
+    gen = torch.Generator().manual_seed(M)
+    K, N = 200, 96  # K: a partial 32-wide step and pairs left over after the 8 x 8 transposes
+    w, x = torch.randn(N, K, generator=gen).bfloat16(), torch.randn(M, K, generator=gen).bfloat16()
+    p = torch.ops.pagedllm.amx_pack_bf16(w)
+    op = torch.ops.pagedllm.amx_linear_silu_bf16 if silu else torch.ops.pagedllm.amx_linear_bf16
+    alone = torch.cat([op(x[r:r + 1], p, N) for r in range(M)])
+    assert torch.equal(op(x, p, N), alone)
+
+
 SILU_SHAPES = [(1, 576, 3072), (5, 64, 64), (17, 70, 96), (33, 576, 3072), (100, 70, 64), (270, 576, 3072)]
 
 

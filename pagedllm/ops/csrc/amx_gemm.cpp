@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -212,10 +213,11 @@ void run_tiles(const uint16_t* w, int64_t Nb, int64_t Kb, int64_t M, int64_t N, 
 // oneDNN streamed the embedded model's bf16 weights at 11-13 GB/s at 8-16 rows; the 30 layers through this loop,
 // median of 5 against oneDNN (Zen 4, 2 threads, from memory): 11.1 vs 15.9 ms at 8 rows, 42.8 vs 48.6 at 64, 79.1 vs
 // 83.5 at 128, 554 vs 562 at 1,024 (even from there).
-// pf: the next pair's first block (or null): its lines go to L2 while this pass streams its own, so that pair's
-// first pass does not wait on memory; this is run `run` of `runs` over the pair, and prefetches its share of them
+// xa: the run's rows of x as [Kp / 2][8] K pairs (pack_run), so the broadcasts read one line instead of 8 row
+// streams. pf: the next pair's first block (or null): its lines go to L2 while this pass streams its own, so that
+// pair's first pass does not wait on memory; this is run `run` of `runs` over the pair, and prefetches its share
 template <int R, int NB>
-void dp_block(const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, int64_t Kb, float* out, int64_t ldo,
+void dp_block(const int32_t* xa, const uint16_t* w0, int64_t blk, int64_t Kb, float* out, int64_t ldo,
               const uint16_t* pf, int64_t run, int64_t runs) {
   __m512 acc[R][NB];
 #pragma GCC unroll 8
@@ -236,7 +238,7 @@ void dp_block(const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, i
     for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w0 + j * blk + p * 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xp + r * Kp + 2 * p));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xa[p * 8 + r]);
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
     }
   }
@@ -245,42 +247,88 @@ void dp_block(const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, i
 }
 
 template <int NB>
-void dp_rows(int64_t rows, const uint16_t* xp, int64_t Kp, const uint16_t* w0, int64_t blk, int64_t Kb, float* out,
-             int64_t ldo, const uint16_t* pf, int64_t run, int64_t runs) {
+void dp_rows(int64_t rows, const int32_t* xa, const uint16_t* w0, int64_t blk, int64_t Kb, float* out, int64_t ldo,
+             const uint16_t* pf, int64_t run, int64_t runs) {
   switch (rows) {
-    case 1: return dp_block<1, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
-    case 2: return dp_block<2, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
-    case 3: return dp_block<3, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
-    case 4: return dp_block<4, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
-    case 5: return dp_block<5, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
-    case 6: return dp_block<6, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
-    case 7: return dp_block<7, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
-    default: return dp_block<8, NB>(xp, Kp, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 1: return dp_block<1, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 2: return dp_block<2, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 3: return dp_block<3, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 4: return dp_block<4, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 5: return dp_block<5, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 6: return dp_block<6, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
+    case 7: return dp_block<7, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
+    default: return dp_block<8, NB>(xa, w0, blk, Kb, out, ldo, pf, run, runs);
   }
 }
 
+// rows (<= 8) of x (L K pairs a row) as [L][8] pairs, each pair's 8 rows side by side, transposed 8 x 8 at a time;
+// slots past `rows` repeat the first row (never read)
+void pack_run(const int32_t* x, int64_t L, int64_t rows, int32_t* dst) {
+  const int32_t* src[8];
+  for (int r = 0; r < 8; ++r) src[r] = x + (r < rows ? r : 0) * L;
+  int64_t p = 0;
+  for (; p + 8 <= L; p += 8) {
+    __m256i v[8], t[8];
+    for (int r = 0; r < 8; ++r) v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r] + p));
+    for (int r = 0; r < 8; r += 2) {
+      t[r] = _mm256_unpacklo_epi32(v[r], v[r + 1]);
+      t[r + 1] = _mm256_unpackhi_epi32(v[r], v[r + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {  // per 128-bit lane, rows h..h+3 of pairs (0, 4), (1, 5), (2, 6), (3, 7)
+      v[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+      v[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+      v[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+      v[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (p + j) * 8),
+                          _mm256_permute2x128_si256(v[j], v[j + 4], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (p + j + 4) * 8),
+                          _mm256_permute2x128_si256(v[j], v[j + 4], 0x31));
+    }
+  }
+  for (; p < L; ++p)
+    for (int r = 0; r < 8; ++r) dst[p * 8 + r] = src[r][p];
+}
+
 // y = xp [M, Kp] (K zero-padded to the packing's Kp) @ W^T in bf16 (SILU: silu(gate) * up of it, [M, N / 2]):
-// column-block pairs split over the threads, each pair's rows in runs of 8 (the pair's B, Kp x 32 bf16, stays in
+// column-block pairs split over the threads, each pair's rows in ceil(M / 8) runs of as even sizes as can be (an
+// odd row alone was a latency-bound pass of its own) over x packed by pack_run (the pair's B, Kp x 32 bf16, stays in
 // cache between the runs). A pair is two neighbouring blocks, or with SILU gate block t and up block t + Nb / 2.
+// Against runs of 8 over x's rows in place (Zen 4, the embedded model's four layer GEMMs, best of 21 alternating): 30
+// layers from memory on 2 threads 11.2 -> 10.4 ms at 16 rows, 19.7 -> 18.1 at 32, 36.0 -> 34.1 at 64; 3 layers
+// (cache) 142 -> 131 ms at 256 rows, 596 -> 543 at 1,024; one thread 21.7 -> 19.1 ms at 16, 286 -> 260 at 256
 template <bool SILU>
 void dp_gemm(const uint16_t* xp, int64_t M, int64_t Kp, const uint16_t* w, int64_t Nb, int64_t N, at::BFloat16* y) {
-  const int64_t Kb = Kp / TK, blk = Kb * 16 * 32, pairs = SILU ? Nb / 2 : (Nb + 1) / 2;
+  const int64_t Kb = Kp / TK, blk = Kb * 16 * 32, pairs = SILU ? Nb / 2 : (Nb + 1) / 2, L = Kp / 2;
   const int64_t stride = SILU ? pairs * blk : blk, ldy = SILU ? N / 2 : N;  // between a pair's blocks; y's rows
-  const int64_t runs = (M + 7) / 8;  // runs of 8 rows over each pair
+  const int64_t runs = (M + 7) / 8;
+  thread_local std::vector<int32_t> packed_x;
+  if (static_cast<int64_t>(packed_x.size()) < runs * L * 8) packed_x.resize(runs * L * 8);
+  int32_t* xa = packed_x.data();
+  const auto run_start = [&](int64_t i) { return i * M / runs; };
+  const auto pack = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      pack_run(reinterpret_cast<const int32_t*>(xp) + run_start(i) * L, L, run_start(i + 1) - run_start(i),
+               xa + i * L * 8);
+  };
+  if (runs >= 4) at::parallel_for(0, runs, 1, pack);  // split from 4 runs: 2-5% faster at 32-512 rows
+  else pack(0, runs);
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float c[8 * 32];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nb = SILU ? p : 2 * p, nbs = std::min<int64_t>(2, Nb - nb), next = SILU ? p + 1 : 2 * p + 2;
       // the next pair of this thread, whole (a last odd block is left to the prefetcher), a 1 / runs share in each
-      // run of 8 rows so that the memory is busy through the pair's every run: the 30 layers from memory (Zen 4)
+      // run so that the memory is busy through the pair's every run: the 30 layers from memory (Zen 4)
       // 10.6 -> 9.3-10.0 ms at 8 rows, 14.5 -> 12.9-13.4 at 16 with it; spread instead of all in the first run,
       // 12.7 -> 11.9 at 16 rows, 30.0 -> 28.4 at 48, 38.2 -> 36.8 at 64, even from 256 (whole in the first run, it
       // cost 137 -> 143 ms at 256)
       const uint16_t* pf = p + 1 < p1 && (SILU || next + 1 < Nb) ? w + next * blk : nullptr;
-      for (int64_t r0 = 0; r0 < M; r0 += 8) {
-        const int64_t rows = std::min<int64_t>(8, M - r0);
-        if (SILU || nbs == 2) dp_rows<2>(rows, xp + r0 * Kp, Kp, w + nb * blk, stride, Kb, c, 32, pf, r0 / 8, runs);
-        else dp_rows<1>(rows, xp + r0 * Kp, Kp, w + nb * blk, stride, Kb, c, 32, pf, r0 / 8, runs);
+      for (int64_t i = 0; i < runs; ++i) {
+        const int64_t r0 = run_start(i), rows = run_start(i + 1) - r0;
+        const int32_t* xr = xa + i * L * 8;
+        if (SILU || nbs == 2) dp_rows<2>(rows, xr, w + nb * blk, stride, Kb, c, 32, pf, i, runs);
+        else dp_rows<1>(rows, xr, w + nb * blk, stride, Kb, c, 32, pf, i, runs);
         at::BFloat16* yr = y + r0 * ldy + nb * TN;
         if (SILU) store_rows<true>(c, 32, 16, yr, ldy, rows, TN);
         else store_rows<false>(c, 32, 0, yr, ldy, rows, std::min<int64_t>(16 * nbs, N - nb * TN));
