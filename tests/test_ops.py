@@ -104,12 +104,15 @@ def _cases() -> list[tuple[str, tuple, dict]]:
                                           pm.seq_lens, pm.query_start_loc, 32, pf.scale, 0, 2), {}))
     d = make_random_batch([1], [9], num_kv_heads=2, group=2, head_dim=16, spare_blocks=2)  # one decode token
     dm = d.meta
-    out.append(("decode_layer", (torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g), torch.rand(64),
-                                 torch.rand(64), 1e-5, _blocks(Q4_1, 128, 64), _blocks(Q8_0, 64, 64),
-                                 _blocks(Q4_1, 256, 64), _blocks(Q4_1, 64, 128), [Q4_1, Q8_0, Q4_1, Q4_1],
-                                 [128, 64, 256, 64], False, torch.randn(1, 8, generator=g),
-                                 torch.randn(1, 8, generator=g), 4, d.k_cache, d.v_cache, dm.slot_mapping,
-                                 dm.block_tables, dm.seq_lens, dm.query_start_loc, dm.block_size, d.scale, 4), {}))
+    d2 = make_random_batch([1], [9], num_kv_heads=2, group=2, head_dim=16, spare_blocks=2)  # a second layer's pool
+    out.append(("decode_layer", (torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g),
+                                 [torch.rand(64), torch.rand(64)], [torch.rand(64), torch.rand(64)], 1e-5,
+                                 *([_blocks(qt, n, k)] * 2 for qt, n, k in
+                                   ((Q4_1, 128, 64), (Q8_0, 64, 64), (Q4_1, 256, 64), (Q4_1, 64, 128))),
+                                 [Q4_1, Q8_0, Q4_1, Q4_1] * 2, [128, 64, 256, 64], False,
+                                 torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g), 4,
+                                 [d.k_cache, d2.k_cache], [d.v_cache, d2.v_cache], dm.slot_mapping, dm.block_tables,
+                                 dm.seq_lens, dm.query_start_loc, dm.block_size, d.scale, 4, [], []), {}))
     return out
 
 
@@ -137,7 +140,7 @@ def test_mutations_are_declared_in_the_schemas():
     assert writes["write_kv"] == writes["attend_qkv"] == ["k_cache", "v_cache", "k_scale", "v_scale"]
     assert writes["paged_attention_out"] == writes["prefill_attention_amx"] == ["out"]
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
-    assert writes["decode_layer"] == ["h", "k_cache", "v_cache", "k_scale", "v_scale"]
+    assert writes["decode_layer"] == ["h", "k_caches", "v_caches", "k_scales", "v_scales"]
     assert writes["quant_gemv_part"] == writes["linear_a8_packed_part"] == ["y"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
                                                               "prefill_attention_amx",

@@ -61,12 +61,12 @@ def _systems(args) -> tuple[dict[str, Callable[[int], None]], list[str]]:
         return run
 
     systems = {
-        "exact (gguf): batch-1 GEMV + one call per layer, one parallel region": ours("gguf", True, True),
-        "exact (gguf): batch-1 GEMV + one call per layer, a region per op": ours("gguf", True, True, False),
+        "exact (gguf): batch-1 GEMV + one call for the layers, one parallel region": ours("gguf", True, True),
+        "exact (gguf): batch-1 GEMV + one call for the layers, a region per op": ours("gguf", True, True, False),
         "exact (gguf): batch-1 GEMV, per-op layer": ours("gguf", True, False),
         "exact (gguf): gemm.cpp bit-exact, per-op layer (before)": ours("gguf", False, False),
-        "gguf-a8: one call per layer, one parallel region": ours("gguf-a8", True, True),
-        "gguf-a8: one call per layer, a region per op": ours("gguf-a8", True, True, False),
+        "gguf-a8: one call for the layers, one parallel region": ours("gguf-a8", True, True),
+        "gguf-a8: one call for the layers, a region per op": ours("gguf-a8", True, True, False),
         "gguf-a8: per-op layer (before)": ours("gguf-a8", True, False),
     }
     if importlib.util.find_spec("llama_cpp") is None:

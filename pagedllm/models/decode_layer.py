@@ -1,13 +1,15 @@
-"""A decoder layer's batch-1 decode step as one C++ call (``ops/csrc/decode_layer.cpp``), where it applies.
+"""A model's batch-1 decode step through its decoder layers as one C++ call (``ops/csrc/decode_layer.cpp``), where
+it applies.
 
 At batch 1 a layer is nine small ops; the Python between them (the wrappers' checks, nine trips through
-``torch.ops``) cost about a quarter of the layer's kernel time. The fused call runs the same ops in the same order
-(bit-identical results), so it applies only where the per-op path would call exactly those ops: one fp32 token on
-the CPU, GGUF block matrices (``quantization="gguf"`` with the batch-1 GEMV, or ``"gguf-a8"`` packed), the CPU
-attention backend without its SDPA prefill, no q/k norm or biases, no LoRA and no tensor parallelism.
-``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
+``torch.ops``) cost about a quarter of the layer's kernel time, and with a call a layer the layer loop, the checks
+and each call's 27 arguments still cost ~1 ms of a ~10 ms token (Zen 4, 2 threads). The fused call runs the same
+ops in the same order (bit-identical results), so it applies only where the per-op path would call exactly those
+ops: one fp32 token on the CPU, GGUF block matrices (``quantization="gguf"`` with the batch-1 GEMV, or
+``"gguf-a8"`` packed) in every layer, the CPU attention backend without its SDPA prefill, no q/k norm or biases, no
+LoRA and no tensor parallelism. ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
 
-On more than one thread the call runs the layer in one OpenMP parallel region (the GEMVs split by rows over the
+On more than one thread the call runs the layers in one OpenMP parallel region (the GEMVs split by rows over the
 team, the phases handed over through atomic counters, not barriers) instead of a region per GEMV and in attention:
 the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region per op (A/B benchmarks).
 """
@@ -15,6 +17,7 @@ the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a r
 from __future__ import annotations
 
 import os
+
 import torch
 from torch import nn
 
@@ -27,33 +30,70 @@ FUSED = os.environ.get("PAGEDLLM_UNFUSED_DECODE") != "1"
 ONE_REGION = os.environ.get("PAGEDLLM_DECODE_REGION_PER_OP") != "1"
 
 
-def fused_layer_applies(layer: nn.Module, h: torch.Tensor, backend) -> bool:
-    """Whether :func:`decode_layer` computes what the layer's per-op forward would (see the module docstring)."""
-    if not (FUSED and h.shape[0] == 1 and h.dtype == torch.float32 and h.is_cpu):
-        return False
+def _layer_gemv(layer: nn.Module) -> str | None:
+    """The GEMV library the fused call would run the layer's matrices on (``"gemv"``: GGUF blocks, ``"quant_a8"``:
+    gguf-a8's packing), or None where the layer has what only the per-op path computes."""
     if layer.tp is not None or layer.qk_norm is not None or layer.qkv_bias is not None or layer.o_bias is not None:
+        return None
+    w = [getattr(layer, attr) for attr in MATRICES]
+    if not all(isinstance(m, QuantizedWeight) for m in w):
+        return None
+    if all(m.int8_activations and m.packed for m in w):
+        return "quant_a8"
+    return None if any(m.int8_activations for m in w) else "gemv"
+
+
+def _step_applies(gemv: str | None, h: torch.Tensor, backend) -> bool:
+    """Whether this step (one fp32 CPU token, the CPU backend) runs layers of that GEMV kind fused."""
+    if gemv is None or not (FUSED and h.shape[0] == 1 and h.dtype == torch.float32 and h.is_cpu):
         return False
     if getattr(backend, "name", None) != "cpu" or backend.sdpa_prefill_min_len is not None:
         return False
-    w = [getattr(layer, attr) for attr in MATRICES]
-    if not all(isinstance(m, QuantizedWeight) for m in w):
-        return False
-    if all(m.int8_activations and m.packed for m in w):  # gguf-a8
-        gemv = "quant_a8"
-    elif not any(m.int8_activations for m in w) and quant.FACTORED_GEMV:
-        gemv = "gemv"
-    else:
+    if gemv == "gemv" and not quant.FACTORED_GEMV:  # the bit-exact GEMVs: the per-op path
         return False
     return bool(ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv))
 
 
-def decode_layer(layer: nn.Module, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
-                 sin: torch.Tensor, k_cache, v_cache, meta, backend, scale: float) -> torch.Tensor:
-    """``layer.forward`` for one token in one call: updates ``h`` and the pool, returns the MLP output."""
-    kd, vd, scales = kernel_args(k_cache, v_cache)
-    w = [getattr(layer, attr) for attr in MATRICES]
-    return torch.ops.pagedllm.decode_layer.default(
-        h, delta, layer.input_norm, layer.post_norm, layer.eps, w[0].data, w[1].data, w[2].data, w[3].data,
-        [m.qtype for m in w], [m.shape[0] for m in w], w[0].int8_activations, cos, sin, layer.num_heads, kd, vd,
-        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale),
-        backend.q_tile, **scales, one_region=ONE_REGION)
+def fused_layer_applies(layer: nn.Module, h: torch.Tensor, backend) -> bool:
+    """Whether :class:`FusedDecode` computes what the layer's per-op forward would (see the module docstring)."""
+    return _step_applies(_layer_gemv(layer), h, backend)
+
+
+class FusedDecode:
+    """A model's layers as the fused call takes them: their norms, matrices and formats, gathered once (at the
+    first batch-1 step) with the GEMV kind they share (None where a layer needs the per-op path)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        kinds = {_layer_gemv(layer) for layer in layers}
+        self.gemv = kinds.pop() if len(kinds) == 1 else None
+        if self.gemv is None:
+            return
+        first = layers[0]
+        self.eps, self.num_heads = first.eps, first.num_heads
+        self.input_norms = [layer.input_norm for layer in layers]
+        self.post_norms = [layer.post_norm for layer in layers]
+        self.matrices = [[getattr(layer, attr).data for layer in layers] for attr in MATRICES]
+        self.qtypes = [getattr(layer, attr).qtype for layer in layers for attr in MATRICES]
+        self.rows = [getattr(first, attr).shape[0] for attr in MATRICES]
+        self.int8_activations = getattr(first, MATRICES[0]).int8_activations
+
+    def applies(self, h: torch.Tensor, backend) -> bool:
+        return _step_applies(self.gemv, h, backend)
+
+    def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
+                 meta, backend, scale: float) -> torch.Tensor:
+        """Every layer's forward for one token in one call: updates ``h`` and the pool, returns the last layer's MLP
+        output (the final norm's delta)."""
+        kd, vd, ks, vs = [], [], [], []
+        for i in range(len(self.input_norms)):
+            k, v, scales = kernel_args(*kv_cache.layer(i))
+            kd.append(k)
+            vd.append(v)
+            if scales:
+                ks.append(scales["k_scale"])
+                vs.append(scales["v_scale"])
+        return torch.ops.pagedllm.decode_layer.default(
+            h, delta, self.input_norms, self.post_norms, self.eps, *self.matrices, self.qtypes, self.rows,
+            self.int8_activations, cos, sin, self.num_heads, kd, vd, meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, meta.query_start_loc, meta.block_size, float(scale), backend.q_tile, ks, vs,
+            one_region=ONE_REGION)

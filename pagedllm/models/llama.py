@@ -8,6 +8,7 @@ tables. q/k/v are one fused matmul and gate/up another.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.bf16_gemm import PackedBF16, onednn_bf16_available
 from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
-from pagedllm.models.decode_layer import decode_layer, fused_layer_applies
+from pagedllm.models.decode_layer import FusedDecode
 from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear,
                                     linear_silu_mul, rms_norm, rope_cos_sin, rope_widened, silu_mul)
 from pagedllm.models.quant import (MATRICES, QUANTIZATIONS, QuantizedWeight, kernel_available, load_blocks,
@@ -67,8 +68,6 @@ class LlamaDecoderLayer(nn.Module):
         here in the next layer's input norm or the final norm. ``lora``: each token's adapter delta is added
         to the q/k/v, o, gate/up and down outputs (before rope and the activation).
         """
-        if lora is None and fused_layer_applies(self, h, backend):  # batch 1: one C++ call, the same ops
-            return decode_layer(self, h, delta, cos, sin, k_cache, v_cache, meta, backend, scale)
         up = self.upcast
         T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -326,10 +325,18 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)
         delta = None
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            delta = layer.forward(h, delta, cos, sin, k_cache, v_cache, meta, backend, self.scale, lora)  # no hooks
+        if lora is None and self.fused_decode.applies(h, backend):  # batch 1: every layer in one C++ call, same ops
+            delta = self.fused_decode(h, delta, cos, sin, kv_cache, meta, backend, self.scale)
+        else:
+            for i, layer in enumerate(self.layers):
+                k_cache, v_cache = kv_cache.layer(i)
+                delta = layer.forward(h, delta, cos, sin, k_cache, v_cache, meta, backend, self.scale, lora)  # no hooks
         return add_rms_norm_(h, delta, self.norm, self.config.rms_norm_eps)
+
+    @functools.cached_property
+    def fused_decode(self) -> FusedDecode:
+        """The layers as the fused batch-1 call takes them, gathered at the first step that asks (weights loaded)."""
+        return FusedDecode(self.layers)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, E]`` in the activation dtype (a new tensor). Vocab-parallel: each rank looks up

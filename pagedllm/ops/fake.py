@@ -61,10 +61,9 @@ def _quant_linear(x, wq, qtype, bias=None) -> torch.Tensor:
 
 
 @_fake("decode_layer", "decode_layer")
-def _decode_layer(h, delta, input_norm, post_norm, eps, qkv_wq, o_wq, gate_up_wq, down_wq, qtypes, rows,
-                  int8_activations, cos, sin, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                  query_start_loc, block_size, scale, q_tile, k_scale=None, v_scale=None,
-                  one_region=False) -> torch.Tensor:
+def _decode_layer(h, delta, input_norms, post_norms, eps, qkv_wq, o_wq, gate_up_wq, down_wq, qtypes, rows,
+                  int8_activations, cos, sin, num_heads, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
+                  query_start_loc, block_size, scale, q_tile, k_scales, v_scales, one_region=False) -> torch.Tensor:
     return h.new_empty(h.shape)
 
 

@@ -1,11 +1,13 @@
-"""A decoder layer's batch-1 step in one C++ call (``ops/csrc/decode_layer.cpp``, ``models/decode_layer.py``): the
-same ops as the per-op forward, so the same bits, on the embedded model's GGUF blocks; used only where it applies."""
+"""A model's batch-1 step through its decoder layers in one C++ call (``ops/csrc/decode_layer.cpp``,
+``models/decode_layer.py``): the same ops as the per-op forward, so the same bits, on the embedded model's GGUF blocks;
+used only where it applies."""
 
 import pytest
 import torch
 
 from pagedllm import ops
 from pagedllm.attention import get_backend
+from pagedllm.attention.cpu import kernel_args
 from pagedllm.kv import KVCache
 from pagedllm.models import decode_layer as fused
 from pagedllm.models import llama
@@ -28,10 +30,11 @@ def smol(ckpt):
     return ckpt, llama.LlamaForCausalLM.from_checkpoint(ckpt)  # auto: the GGUF blocks
 
 
-def run_steps(model, backend_name: str, decode_steps: int) -> tuple[list[torch.Tensor], KVCache]:
+def run_steps(model, backend_name: str, decode_steps: int, kv_dtype: torch.dtype = torch.float32
+              ) -> tuple[list[torch.Tensor], KVCache]:
     """A 40-token prefill (the per-op path: 40 rows) then batch-1 decode steps; the logits of each and the pool."""
     cfg = model.config
-    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 16)
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 16, dtype=kv_dtype)
     runner = ForwardPass(model, kv, get_backend(backend_name))
     table = list(range(4))
     out = [runner.execute([SeqChunk(list(range(300, 340)), 0, table)])]
@@ -41,20 +44,25 @@ def run_steps(model, backend_name: str, decode_steps: int) -> tuple[list[torch.T
 
 @needs_kernels
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["gguf", "gguf-a8"])
-def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization, monkeypatch):
+@pytest.mark.parametrize("quantization,kv_dtype", [("gguf", torch.float32), ("gguf-a8", torch.float32),
+                                                   ("gguf", torch.int8)])
+def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization, kv_dtype, monkeypatch):
+    """Every layer of a decode step in one call: the per-op path's logits and pool, bit for bit (an int8 pool's
+    scales too)."""
     model = llama.LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization)
     calls = []
-    real = llama.decode_layer
-    monkeypatch.setattr(llama, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got, kv_got = run_steps(model, "cpu", 4)
-    assert len(calls) == 4 * model.config.num_layers  # every layer of every decode step, no prefill row
+    real = fused.FusedDecode.__call__
+    monkeypatch.setattr(fused.FusedDecode, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got, kv_got = run_steps(model, "cpu", 4, kv_dtype)
+    assert len(calls) == 4  # every decode step (all its layers), no prefill row
     monkeypatch.setattr(fused, "FUSED", False)
-    want, kv_want = run_steps(model, "cpu", 4)
+    want, kv_want = run_steps(model, "cpu", 4, kv_dtype)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     for i in range(model.config.num_layers):
-        assert all(torch.equal(a, b) for a, b in zip(kv_got.layer(i), kv_want.layer(i)))
+        (kg, vg, sg), (kw, vw, sw) = kernel_args(*kv_got.layer(i)), kernel_args(*kv_want.layer(i))
+        assert torch.equal(kg, kw) and torch.equal(vg, vw) and sg.keys() == sw.keys()
+        assert all(torch.equal(sg[k], sw[k]) for k in sg)
 
 
 @needs_kernels
@@ -80,24 +88,48 @@ def test_one_region_layer_on_two_threads_gives_the_one_thread_bits(ckpt, quantiz
 
 
 @needs_kernels
-def test_one_region_layer_raises_a_kernels_error_without_hanging_the_team(smol, two_threads):
-    """A check that fails inside the team (here: a wrong output size for the o projection) reaches the caller as
-    the kernel's error; the other thread still passes every barrier (the call returns)."""
+@pytest.mark.parametrize("bad_layer", [0, 1])
+def test_one_region_layers_raise_a_kernels_error_without_hanging_the_team(smol, two_threads, bad_layer):
+    """A check that fails inside the team (here: a wrong output size for the o projection, met in the first or the
+    second layer) reaches the caller as the kernel's error; the other thread still passes every phase (the call
+    returns)."""
+    _, model = smol
+    layers, cfg = model.layers[:2], model.config
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 16)
+    w = [[getattr(layer, a) for layer in layers] for a in fused.MATRICES]
+    h, d = torch.randn(1, cfg.hidden_size), torch.randn(1, cfg.hidden_size)
+    cos, sin = torch.ones(1, cfg.head_dim // 2), torch.zeros(1, cfg.head_dim // 2)
+    rows = [m[0].shape[0] for m in w]
+    qtypes = [getattr(layer, a).qtype for layer in layers for a in fused.MATRICES]
+    bad = list(w[1])
+    bad[bad_layer] = model.layers[0].qkv_weight  # more rows than rows[1] says
+    with pytest.raises(RuntimeError, match="y must be"):
+        torch.ops.pagedllm.decode_layer(
+            h, d, [layer.input_norm for layer in layers], [layer.post_norm for layer in layers], layers[0].eps,
+            [m.data for m in w[0]], [m.data for m in bad], [m.data for m in w[2]], [m.data for m in w[3]],
+            qtypes, rows, False, cos, sin, layers[0].num_heads, [kv.layer(i)[0] for i in range(2)],
+            [kv.layer(i)[1] for i in range(2)], torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 8, 0.125, 4, [], [],
+            one_region=True)
+
+
+@needs_kernels
+def test_decode_layer_refuses_lists_of_other_lengths(smol):
     _, model = smol
     layer, cfg = model.layers[0], model.config
     kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 16)
     w = [getattr(layer, a) for a in fused.MATRICES]
-    h, d = torch.randn(1, cfg.hidden_size), torch.randn(1, cfg.hidden_size)
-    cos, sin = torch.ones(1, cfg.head_dim // 2), torch.zeros(1, cfg.head_dim // 2)
-    kd, vd = kv.layer(0)
-    rows = [m.shape[0] for m in w]
-    rows[1] += 1
-    with pytest.raises(RuntimeError, match="y must be"):
-        torch.ops.pagedllm.decode_layer(
-            h, d, layer.input_norm, layer.post_norm, layer.eps, *(m.data for m in w), [m.qtype for m in w], rows,
-            False, cos, sin, layer.num_heads, kd, vd, torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32),
-            torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 8, 0.125, 4,
-            one_region=True)
+    args = [torch.randn(1, cfg.hidden_size), None, [layer.input_norm], [layer.post_norm, layer.post_norm], layer.eps,
+            *([m.data] for m in w), [m.qtype for m in w], [m.shape[0] for m in w], False,
+            torch.ones(1, cfg.head_dim // 2), torch.zeros(1, cfg.head_dim // 2), layer.num_heads, [kv.layer(0)[0]],
+            [kv.layer(0)[1]], torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 8, 0.125, 4, [], []]
+    with pytest.raises(RuntimeError, match="one entry a layer"):
+        torch.ops.pagedllm.decode_layer(*args)
+    args[3] = [layer.post_norm]
+    args[9] = args[9] * 2  # formats for two layers
+    with pytest.raises(RuntimeError, match="qtypes must give"):
+        torch.ops.pagedllm.decode_layer(*args)
 
 
 @needs_kernels
@@ -122,19 +154,27 @@ def test_fused_layer_applies_only_where_the_per_op_path_calls_the_same_ops(smol,
     assert not fused.fused_layer_applies(layer, one, cpu)
 
 
+@needs_kernels
+def test_a_model_with_one_unfusable_layer_runs_every_layer_per_op(ckpt, monkeypatch):
+    """The fused call takes every layer or none: a model whose last layer carries a bias takes the per-op path."""
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt)
+    assert model.fused_decode.applies(torch.zeros(1, 576), get_backend("cpu"))
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt)
+    model.layers[-1].qkv_bias = torch.nn.Parameter(torch.zeros(960), requires_grad=False)
+    assert not model.fused_decode.applies(torch.zeros(1, 576), get_backend("cpu"))
+
+
 FRESH_A8 = """
 from pagedllm import LLM, SamplingParams
 from pagedllm.ops import build
 from pagedllm.models import decode_layer
 calls = []
-real = decode_layer.decode_layer
-import pagedllm.models.llama as llama
-llama.decode_layer = lambda *a, **k: calls.append(1) or real(*a, **k)
+real = decode_layer.FusedDecode.__call__
+decode_layer.FusedDecode.__call__ = lambda *a, **k: calls.append(1) or real(*a, **k)
 llm = LLM(quantization="gguf-a8", dtype="float32", num_blocks=16)
 out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                    use_tqdm=False)[0].outputs[0]
-layers = llm.engine.forward_pass.model.config.num_layers
-assert len(out.token_ids) == 3 and len(calls) == 2 * layers, (out, len(calls))  # every layer of both decode steps
+assert len(out.token_ids) == 3 and len(calls) == 2, (out, len(calls))  # both decode steps, all their layers
 assert "pagedllm_gemv" not in build._built, sorted(build._built)
 """
 

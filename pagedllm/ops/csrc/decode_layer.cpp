@@ -1,4 +1,4 @@
-// A whole Llama decoder layer for one decode token (batch 1) in one call: the model's op sequence
+// A Llama model's decoder layers for one decode token (batch 1) in one call: each layer's op sequence
 //   add_rms_norm -> GEMV (qkv) -> rope -> attend_qkv -> GEMV (o) -> add_rms_norm -> GEMV (gate/up) -> silu_mul
 //   -> GEMV (down)
 // with the GEMVs of quantization="gguf" (quant_gemv) or "gguf-a8" (linear_a8_packed), called from C++ through the
@@ -9,7 +9,10 @@
 // before the first call, and the GEMVs' (gemv or quant_a8) before the first call in that format
 // (pagedllm/models/decode_layer.py checks).
 //
-// On more than one thread (one_region), the layer is one OpenMP parallel region instead of one per GEMV and one in
+// All the layers in one call (not one call a layer): the Python between the layers' calls (the layer loop, the
+// fused path's checks, 27 arguments parsed a call) cost ~1 ms of a ~10 ms token on a Zen 4 at 2 threads, and each
+// call's parallel region started and joined the team again.
+// On more than one thread (one_region), the layers are one OpenMP parallel region instead of one per GEMV and one in
 // attention: each GEMV is split by rows into pieces the team's threads claim (quant_gemv_part /
 // linear_a8_packed_part: the same bits as the whole call), the small ops between them (norms, rope + attention,
 // silu) run on the thread that claims them, and no barrier in between (Relay).
@@ -24,6 +27,7 @@
 
 #include <atomic>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -44,9 +48,9 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 // error is kept for the caller and the phases after it are skipped, each piece still counted done: no thread hangs.
 class Relay {
  public:
-  static constexpr int kMaxPhases = 8;
+  explicit Relay(int64_t phases) : counters_(new Counter[phases]) {}
 
-  // Phase i of the layer (phases run in order of i): pieces of work, piece(p) does piece p.
+  // Phase i of the layers (phases run in order of i): pieces of work, piece(p) does piece p.
   template <typename F>
   void phase(int i, int64_t pieces, F&& piece) {
     Counter& c = counters_[i];
@@ -78,7 +82,7 @@ class Relay {
   struct alignas(64) Counter {
     std::atomic<int64_t> next{0}, done{0};
   };
-  Counter counters_[kMaxPhases];
+  std::unique_ptr<Counter[]> counters_;
   std::atomic<bool> failed_{false};
   std::mutex mutex_;
   std::exception_ptr error_;
@@ -86,73 +90,92 @@ class Relay {
 
 }  // namespace
 
-// h: [1, E] residual stream (updated in place: += delta, then += the attention output); returns the MLP output
-// [1, E] (the next layer's delta). qtypes: the GGUF formats of qkv, o, gate_up and down, rows their output
-// sizes; int8_activations: the matrices are pack_a8's (gguf-a8), else GGUF block rows. one_region: the layer in one
-// parallel region on torch's threads (the same bits), else op by op.
-Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_norm, double eps, Tensor qkv_wq,
-                    Tensor o_wq, Tensor gate_up_wq, Tensor down_wq, at::IntArrayRef qtypes, at::IntArrayRef rows,
-                    bool int8_activations, Tensor cos, Tensor sin,
-                    int64_t num_heads, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, Tensor block_tables,
-                    Tensor seq_lens, Tensor query_start_loc, int64_t block_size, double scale, int64_t q_tile,
-                    OptTensor k_scale, OptTensor v_scale, bool one_region) {
+// h: [1, E] residual stream (updated in place: each layer adds its delta, then its attention output); returns the last
+// layer's MLP output [1, E] (the final norm's delta). Per layer l: input_norms[l], post_norms[l], its matrices
+// (qkv_wq[l], ...), qtypes[4 l .. 4 l + 3] their GGUF formats, its pool (k_caches[l], v_caches[l]; k_scales /
+// v_scales: one a layer for a quantized pool, else empty); rows: the matrices' output sizes; int8_activations: the
+// matrices are pack_a8's (gguf-a8), else GGUF block rows. one_region: the layers in one parallel region on torch's
+// threads (the same bits), else op by op.
+Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::TensorList post_norms, double eps,
+                    at::TensorList qkv_wq, at::TensorList o_wq, at::TensorList gate_up_wq, at::TensorList down_wq,
+                    at::IntArrayRef qtypes, at::IntArrayRef rows, bool int8_activations, Tensor cos, Tensor sin,
+                    int64_t num_heads, at::TensorList k_caches, at::TensorList v_caches, Tensor slot_mapping,
+                    Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int64_t block_size, double scale,
+                    int64_t q_tile, at::TensorList k_scales, at::TensorList v_scales, bool one_region) {
+  const int64_t L = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer runs one token: h must be [1, E], got ", h.sizes());
-  TORCH_CHECK(qtypes.size() == 4 && rows.size() == 4, "qtypes and rows must give the formats and output sizes of "
-              "qkv, o, gate_up and down");
+  TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_wq.size() == L && o_wq.size() == L && gate_up_wq.size() == L &&
+                  down_wq.size() == L && k_caches.size() == L && v_caches.size() == L,
+              "decode_layer: every per-layer list needs one entry a layer");
+  TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == L),
+              "decode_layer: k_scales and v_scales hold one scale tensor a layer, or none");
+  TORCH_CHECK(static_cast<int64_t>(qtypes.size()) == 4 * L && rows.size() == 4,
+              "qtypes must give the formats of each layer's qkv, o, gate_up and down, rows their output sizes");
   static const auto norm = op<Tensor(Tensor, OptTensor, Tensor, double, bool)>("pagedllm::add_rms_norm");
   static const auto rope = op<void(Tensor, Tensor, Tensor, int64_t)>("pagedllm::rope");
   static const auto attend = op<Tensor(Tensor, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
                                        double, int64_t, OptTensor, OptTensor)>("pagedllm::attend_qkv");
   static const auto silu_mul = op<Tensor(Tensor, bool)>("pagedllm::silu_mul");
-  const int64_t num_kv_heads = k_cache.size(0);
-  auto attention = [&](const Tensor& qkv) {
-    rope.call(qkv, cos, sin, num_heads + num_kv_heads);
-    return attend.call(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                       block_size, scale, q_tile, k_scale, v_scale);
+  const auto wq = [&](int64_t l, size_t i) -> const Tensor& {
+    return (i == 0 ? qkv_wq : i == 1 ? o_wq : i == 2 ? gate_up_wq : down_wq)[l];
+  };
+  auto attention = [&](int64_t l, const Tensor& qkv) {
+    rope.call(qkv, cos, sin, num_heads + k_caches[l].size(0));
+    const OptTensor ks = k_scales.empty() ? OptTensor() : OptTensor(k_scales[l]);
+    const OptTensor vs = v_scales.empty() ? OptTensor() : OptTensor(v_scales[l]);
+    return attend.call(qkv, num_heads, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens,
+                       query_start_loc, block_size, scale, q_tile, ks, vs);
   };
   const int nthreads = one_region ? at::get_num_threads() : 1;
   if (nthreads <= 1) {
-    auto linear = [&](const Tensor& x, const Tensor& w, size_t i) {  // looked up on first use: one format's library
+    auto linear = [&](const Tensor& x, int64_t l, size_t i) {  // looked up on first use: one format's library
       if (int8_activations) {
         static const auto a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
-        return a8.call(x, w, qtypes[i], rows[i], std::nullopt);
+        return a8.call(x, wq(l, i), qtypes[4 * l + i], rows[i], std::nullopt);
       }
       static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
-      return gemv.call(x, w, qtypes[i], std::nullopt);
+      return gemv.call(x, wq(l, i), qtypes[4 * l + i], std::nullopt);
     };
-    Tensor x = norm.call(h, delta, input_norm, eps, false);
-    Tensor o = linear(attention(linear(x, qkv_wq, 0)), o_wq, 1);
-    x = norm.call(h, o, post_norm, eps, false);
-    return linear(silu_mul.call(linear(x, gate_up_wq, 2), false), down_wq, 3);
+    OptTensor d = delta;
+    for (int64_t l = 0; l < L; ++l) {
+      Tensor x = norm.call(h, d, input_norms[l], eps, false);
+      Tensor o = linear(attention(l, linear(x, l, 0)), l, 1);
+      x = norm.call(h, o, post_norms[l], eps, false);
+      d = linear(silu_mul.call(linear(x, l, 2), false), l, 3);
+    }
+    return *d;
   }
   // thread t's share of a GEMV into y
-  auto part = [&](const Tensor& x, const Tensor& w, size_t i, const Tensor& y, int64_t t, int64_t n) {
+  auto part = [&](const Tensor& x, int64_t l, size_t i, const Tensor& y, int64_t t, int64_t n) {
     if (int8_activations) {
       static const auto a8 = op<void(Tensor, Tensor, int64_t, int64_t, Tensor, int64_t, int64_t)>(
           "pagedllm::linear_a8_packed_part");
-      a8.call(x, w, qtypes[i], rows[i], y, t, n);
+      a8.call(x, wq(l, i), qtypes[4 * l + i], rows[i], y, t, n);
     } else {
       static const auto gemv = op<void(Tensor, Tensor, int64_t, Tensor, int64_t, int64_t)>("pagedllm::quant_gemv_part");
-      gemv.call(x, w, qtypes[i], y, t, n);
+      gemv.call(x, wq(l, i), qtypes[4 * l + i], y, t, n);
     }
   };
+  // the outputs, reused by every layer: a layer's first phase has read the last one's down before its own is written
   auto out = [&](size_t i) { return torch::empty({1, rows[i]}, h.options()); };
   const Tensor qkv = out(0), o = out(1), gate_up = out(2), down = out(3);
   Tensor x, attn, act;
-  Relay relay;
+  Relay relay(8 * L);
   const int64_t pieces = 2 * nthreads;  // per GEMV: a parked thread's share is taken by the others
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) for the team's dispatcher calls
 #pragma omp parallel num_threads(nthreads)
   {
     at::ThreadLocalStateGuard guard(tls);
-    relay.phase(0, 1, [&](int64_t) { x = norm.call(h, delta, input_norm, eps, false); });
-    relay.phase(1, pieces, [&](int64_t p) { part(x, qkv_wq, 0, qkv, p, pieces); });
-    relay.phase(2, 1, [&](int64_t) { attn = attention(qkv); });  // nested regions inside run on one thread
-    relay.phase(3, pieces, [&](int64_t p) { part(attn, o_wq, 1, o, p, pieces); });
-    relay.phase(4, 1, [&](int64_t) { x = norm.call(h, o, post_norm, eps, false); });
-    relay.phase(5, pieces, [&](int64_t p) { part(x, gate_up_wq, 2, gate_up, p, pieces); });
-    relay.phase(6, 1, [&](int64_t) { act = silu_mul.call(gate_up, false); });
-    relay.phase(7, pieces, [&](int64_t p) { part(act, down_wq, 3, down, p, pieces); });
+    for (int64_t l = 0, b = 0; l < L; ++l, b += 8) {
+      relay.phase(b, 1, [&](int64_t) { x = norm.call(h, l ? OptTensor(down) : delta, input_norms[l], eps, false); });
+      relay.phase(b + 1, pieces, [&](int64_t p) { part(x, l, 0, qkv, p, pieces); });
+      relay.phase(b + 2, 1, [&](int64_t) { attn = attention(l, qkv); });  // nested regions inside run on one thread
+      relay.phase(b + 3, pieces, [&](int64_t p) { part(attn, l, 1, o, p, pieces); });
+      relay.phase(b + 4, 1, [&](int64_t) { x = norm.call(h, o, post_norms[l], eps, false); });
+      relay.phase(b + 5, pieces, [&](int64_t p) { part(x, l, 2, gate_up, p, pieces); });
+      relay.phase(b + 6, 1, [&](int64_t) { act = silu_mul.call(gate_up, false); });
+      relay.phase(b + 7, pieces, [&](int64_t p) { part(act, l, 3, down, p, pieces); });
+    }
   }
   relay.rethrow();
   return down;
@@ -160,12 +183,12 @@ Tensor decode_layer(Tensor h, OptTensor delta, Tensor input_norm, Tensor post_no
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.set_python_module("pagedllm.ops.fake");
-  m.def("decode_layer(Tensor(a!) h, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_wq, "
-        "Tensor o_wq, Tensor gate_up_wq, Tensor down_wq, int[] qtypes, int[] rows, bool int8_activations, Tensor cos, "
-        "Tensor sin, int num_heads, "
-        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, int block_size, float scale, int q_tile, Tensor(d!)? k_scale=None, "
-        "Tensor(e!)? v_scale=None, bool one_region=False) -> Tensor");
+  m.def("decode_layer(Tensor(a!) h, Tensor? delta, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+        "Tensor[] qkv_wq, Tensor[] o_wq, Tensor[] gate_up_wq, Tensor[] down_wq, int[] qtypes, int[] rows, "
+        "bool int8_activations, Tensor cos, Tensor sin, int num_heads, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, "
+        "float scale, int q_tile, Tensor(d!)[] k_scales, Tensor(e!)[] v_scales, bool one_region=False) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("decode_layer", &decode_layer); }
