@@ -3,7 +3,7 @@
 Every part is timed by wrapping the function that does it, in this process, and charged its **exclusive** wall and CPU
 time: a part called inside another (a GEMM inside a decoder layer) counts for itself, not for its caller, so the
 parts add up to the steps' time and "other" is what no part covers. Opaque parts (the LM head, the sampler, the
-batch-1 fused layer) are timed whole: nothing inside them is split out.
+batch-1 fused layers) are timed whole: nothing inside them is split out.
 
 Attention is timed in two calls per layer, the decode rows and then the prefill chunks, through the backend's own
 routing (the paged kernel's work items as in the one ``attend_qkv`` call it replaces, SDPA or the AMX kernel for long
@@ -35,7 +35,7 @@ PARTS: dict[str, tuple[str, str | None, str, bool]] = {
     "add + RMSNorm": ("pagedllm.models.llama", None, "add_rms_norm_", False),
     "rotary": ("pagedllm.models.llama", None, "apply_rope_heads_", False),
     "silu * up": ("pagedllm.models.llama", None, "silu_mul", False),
-    "batch-1 fused layer": ("pagedllm.models.llama", None, "decode_layer", True),
+    "batch-1 fused layers": ("pagedllm.models.decode_layer", "FusedDecode", "__call__", True),
     "LM head": ("pagedllm.models.llama", "LlamaForCausalLM", "compute_logits", True),
     "sampler": ("pagedllm.worker.sampler", "Sampler", "__call__", True),
     "runner outputs (gather, to host)": ("pagedllm.worker.model_runner", "ModelRunner", "_outputs", False),
