@@ -54,11 +54,6 @@ def _step_applies(gemv: str | None, h: torch.Tensor, backend) -> bool:
     return bool(ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv))
 
 
-def fused_layer_applies(layer: nn.Module, h: torch.Tensor, backend) -> bool:
-    """Whether :class:`FusedDecode` computes what the layer's per-op forward would (see the module docstring)."""
-    return _step_applies(_layer_gemv(layer), h, backend)
-
-
 class FusedDecode:
     """A model's layers as the fused call takes them: their norms, matrices and formats, gathered once (at the
     first batch-1 step) with the GEMV kind they share (None where a layer needs the per-op path)."""
@@ -78,6 +73,7 @@ class FusedDecode:
         self.int8_activations = getattr(first, MATRICES[0]).int8_activations
 
     def applies(self, h: torch.Tensor, backend) -> bool:
+        """Whether this step's call computes what the layers' per-op forwards would (see the module docstring)."""
         return _step_applies(self.gemv, h, backend)
 
     def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv_cache,

@@ -133,25 +133,29 @@ def test_decode_layer_refuses_lists_of_other_lengths(smol):
 
 
 @needs_kernels
-def test_fused_layer_applies_only_where_the_per_op_path_calls_the_same_ops(smol, monkeypatch):
+def test_the_fused_call_applies_only_where_the_per_op_path_calls_the_same_ops(smol, monkeypatch):
     _, model = smol
     layer, cpu = model.layers[0], get_backend("cpu")
     one, two = torch.zeros(1, 576), torch.zeros(2, 576)
-    assert fused.fused_layer_applies(layer, one, cpu)
-    assert not fused.fused_layer_applies(layer, two, cpu)  # more than one token: the per-op path
-    assert not fused.fused_layer_applies(layer, one.double(), cpu)
-    assert not fused.fused_layer_applies(layer, one, get_backend("reference"))
+
+    def applies(h, backend=cpu):
+        return fused.FusedDecode(torch.nn.ModuleList([layer])).applies(h, backend)
+
+    assert applies(one)
+    assert not applies(two)  # more than one token: the per-op path
+    assert not applies(one.double())
+    assert not applies(one, get_backend("reference"))
     monkeypatch.setattr(layer, "qkv_bias", torch.zeros(960))
-    assert not fused.fused_layer_applies(layer, one, cpu)
+    assert not applies(one)
     monkeypatch.undo()
     monkeypatch.setattr(model.layers[0], "down_weight", layer.down_weight.pack_a8())  # mixed gguf and gguf-a8
-    assert not fused.fused_layer_applies(layer, one, cpu)
+    assert not applies(one)
     monkeypatch.undo()
     monkeypatch.setattr(fused, "FUSED", False)  # PAGEDLLM_UNFUSED_DECODE=1
-    assert not fused.fused_layer_applies(layer, one, cpu)
+    assert not applies(one)
     monkeypatch.undo()
     monkeypatch.setattr(fused.quant, "FACTORED_GEMV", False)  # the bit-exact GEMVs: the per-op path
-    assert not fused.fused_layer_applies(layer, one, cpu)
+    assert not applies(one)
 
 
 @needs_kernels
