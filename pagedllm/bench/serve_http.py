@@ -12,10 +12,7 @@ import asyncio
 import json
 import time
 
-from pagedllm.bench.workloads import BenchRequest
-
-
-GREEDY = {"temperature": 0.0}
+from pagedllm.bench.workloads import GREEDY, BenchRequest
 
 
 async def stream_one(client, url: str, model: str, r: BenchRequest, sampling: dict | None = None) -> dict:

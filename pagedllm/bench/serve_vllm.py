@@ -5,8 +5,8 @@ Both servers get the same weights (vLLM the HF directory the loader converts the
 ``--max-model-len`` and served model name, and the same requests: W1-shaped streaming
 completions of Wikipedia text (``ignore_eos``, greedy unless ``--sampling chat``), sent at seeded Poisson arrival
 times at each rate (a light one and a saturating one). Each rate has its own prompts, so the second rate on a server
-is no prefix-cache replay of the first. Never both servers at once (2 cores): per round one server starts, is warmed up, serves
-every rate, and stops; the other follows; the order alternates across rounds (ours first in even rounds).
+is no prefix-cache replay of the first. Never both servers at once (2 cores): per round one server starts, is warmed
+up, serves every rate, and stops; the other follows; the order alternates across rounds (ours first in even rounds).
 ``--quick`` (the CI smoke test; CI has no vLLM) runs our server only on a tiny workload.
 
 Dtypes as in ``bench throughput``: our server gets ``--dtype`` as given, so ``auto`` runs what our ``auto`` picks
@@ -27,7 +27,7 @@ import sys
 
 from pagedllm.bench.common import ratio
 from pagedllm.bench.report import Report, Table
-from pagedllm.bench.serve_http import GREEDY, drive
+from pagedllm.bench.serve_http import drive
 from pagedllm.bench.serve_procs import (
     free_port,
     launch,
@@ -36,7 +36,7 @@ from pagedllm.bench.serve_procs import (
 )
 from pagedllm.bench.serve_split import scrape, split
 from pagedllm.bench.serve_stats import summarize
-from pagedllm.bench.workloads import CHAT_SAMPLING, BenchRequest, random_requests
+from pagedllm.bench.workloads import CHAT_SAMPLING, GREEDY, BenchRequest, random_requests
 
 OURS, VLLM = "pagedllm serve", "vLLM CPU serve"
 SERVED_NAME = "smollm2"

@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 
 from pagedllm.bench.report import Report, Table
-from pagedllm.bench.workloads import CHAT_SAMPLING
+from pagedllm.bench.workloads import CHAT_SAMPLING, GREEDY
 
 PARTS = {  # label -> (module, class, method)
     "schedule": ("pagedllm.core.scheduler", "Scheduler", "schedule"),
@@ -57,7 +57,7 @@ def timed_parts(totals: dict[str, float]):
 
 
 # column -> the requests' sampling settings
-SETTINGS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "seed": 1},
+SETTINGS = {"greedy": GREEDY, "sampled": {"temperature": 1.0, "seed": 1},
             "filtered": {**CHAT_SAMPLING, "seed": 1}}
 
 

@@ -130,6 +130,7 @@ def random_requests(tokenizer, num: int, prompt_range: tuple[int, int], output_r
 
 
 W1 = dict(num=64, prompt_range=(32, 512), output_range=(16, 256))
+GREEDY = {"temperature": 0.0}  # the benches' default sampling fields
 # what many chat clients send: the sampling fields of `bench serve --sampling chat` and `bench steptime`'s filtered
 # steps (top_k and the repetition penalty are vLLM's extensions of the OpenAI body)
 CHAT_SAMPLING = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "presence_penalty": 0.5, "repetition_penalty": 1.1}

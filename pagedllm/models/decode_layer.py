@@ -71,23 +71,32 @@ class FusedDecode:
         self.qtypes = [getattr(layer, attr).qtype for layer in layers for attr in MATRICES]
         self.rows = [getattr(first, attr).shape[0] for attr in MATRICES]
         self.int8_activations = getattr(first, MATRICES[0]).int8_activations
+        self._pool_of, self._pool_lists = None, ([], [], [], [])
 
     def applies(self, h: torch.Tensor, backend) -> bool:
         """Whether this step's call computes what the layers' per-op forwards would (see the module docstring)."""
         return _step_applies(self.gemv, h, backend)
 
+    def _pool(self, kv_cache) -> tuple[list, list, list, list]:
+        """The pool's per-layer tensors as the call takes them (K, V, and an int8 / fp8 pool's scales), gathered
+        once per pool: a KVCache's layers are fixed at its creation."""
+        if self._pool_of is not kv_cache:
+            kd, vd, ks, vs = [], [], [], []
+            for i in range(len(self.input_norms)):
+                k, v, scales = kernel_args(*kv_cache.layer(i))
+                kd.append(k)
+                vd.append(v)
+                if scales:
+                    ks.append(scales["k_scale"])
+                    vs.append(scales["v_scale"])
+            self._pool_of, self._pool_lists = kv_cache, (kd, vd, ks, vs)
+        return self._pool_lists
+
     def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
                  meta, backend, scale: float) -> torch.Tensor:
         """Every layer's forward for one token in one call: updates ``h`` and the pool, returns the last layer's MLP
         output (the final norm's delta)."""
-        kd, vd, ks, vs = [], [], [], []
-        for i in range(len(self.input_norms)):
-            k, v, scales = kernel_args(*kv_cache.layer(i))
-            kd.append(k)
-            vd.append(v)
-            if scales:
-                ks.append(scales["k_scale"])
-                vs.append(scales["v_scale"])
+        kd, vd, ks, vs = self._pool(kv_cache)
         return torch.ops.pagedllm.decode_layer.default(
             h, delta, self.input_norms, self.post_norms, self.eps, *self.matrices, self.qtypes, self.rows,
             self.int8_activations, cos, sin, self.num_heads, kd, vd, meta.slot_mapping, meta.block_tables,

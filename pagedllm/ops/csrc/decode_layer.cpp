@@ -25,6 +25,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
+#include <array>
 #include <atomic>
 #include <exception>
 #include <memory>
@@ -116,9 +117,8 @@ Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::T
   static const auto attend = op<Tensor(Tensor, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
                                        double, int64_t, OptTensor, OptTensor)>("pagedllm::attend_qkv");
   static const auto silu_mul = op<Tensor(Tensor, bool)>("pagedllm::silu_mul");
-  const auto wq = [&](int64_t l, size_t i) -> const Tensor& {
-    return (i == 0 ? qkv_wq : i == 1 ? o_wq : i == 2 ? gate_up_wq : down_wq)[l];
-  };
+  const std::array<at::TensorList, 4> matrices{qkv_wq, o_wq, gate_up_wq, down_wq};
+  const auto wq = [&](int64_t l, size_t i) -> const Tensor& { return matrices[i][l]; };
   auto attention = [&](int64_t l, const Tensor& qkv) {
     rope.call(qkv, cos, sin, num_heads + k_caches[l].size(0));
     const OptTensor ks = k_scales.empty() ? OptTensor() : OptTensor(k_scales[l]);
