@@ -12,16 +12,20 @@ it is measured, not inferred: :class:`ThreadGovernor` times every forward pass p
 (the first time after ``first_trial_s``) runs ``trial_steps`` steps of one size on the other thread count and as
 many again on the current one; the other count takes over only when its median beats both, and only for steps of
 that size. A trial whose first few steps are all clearly slower ends there (on free cores one thread fewer runs
-batch-1 ~1.6x slower, and 8 such steps cost a 128-token run ~2-3%). Sizes choose apart because they answer apart: a
-decode step of a few rows is ~150 short parallel regions, each a barrier a parked thread can hold up, where a
-prefill chunk's GEMMs are long enough to use every core they get. One choice for all sizes made serving slow: a trial
-on single-row decode steps that hit its deadline ran every step on one thread for 6 s, prefills included, and a
-verdict won on decode steps would have too (at 2 req/s, TTFT p99 ~2x the fixed policy's; see bench/README.md,
-threads).
+batch-1 ~1.6x slower, and 8 such steps cost a 128-token run ~2-3%). A trial of fewer threads is only worth its steps
+when a neighbour takes our cores, and the kernel counts that: the time our threads spent runnable but waiting for a
+core (``/proc/self/task/*/schedstat``). Where the teams on ``most`` threads waited less than ``quiet_wait`` of their
+time since the last look, no trial runs (a quiet machine pays nothing); where the count is unknown, trials run as
+before. Sizes choose apart because they answer apart: a decode step of a few rows is ~150 short parallel regions,
+each a barrier a parked thread can hold up, where a prefill chunk's GEMMs are long enough to use every core they get.
+One choice for all sizes made serving slow: a trial on single-row decode steps that hit its deadline ran every step
+on one thread for 6 s, prefills included, and a verdict won on decode steps would have too (at 2 req/s, TTFT p99
+~2x the fixed policy's; see bench/README.md, threads).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
@@ -31,6 +35,22 @@ from dataclasses import dataclass
 import torch
 
 POLICIES = ("adaptive", "fixed")
+
+
+def run_queue_wait_s() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU, summed over the threads alive now
+    (the second field of each ``/proc/self/task/<tid>/schedstat``); None where the kernel does not say."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            except FileNotFoundError:  # the thread ended while we listed
+                continue
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
 
 
 def bucket_of(num_tokens: int) -> int:
@@ -56,7 +76,8 @@ class ThreadGovernor:
     both. Call :meth:`begin` and :meth:`end` around each forward pass, in the thread that runs them (OpenMP's thread
     count is per calling thread). A trial runs ``trial_steps`` steps of one size on the other count, then as many
     back on its current one; the other count wins that size only if it beats both by ``margin`` (a shared machine's
-    speed drifts). Steps of other sizes run on their own counts meanwhile."""
+    speed drifts). Steps of other sizes run on their own counts meanwhile. A size on ``most`` threads is tried only
+    when our threads were kept waiting for a CPU since the last look (see the module's docstring)."""
 
     TRIAL_SHARE = 20  # the gap to the next trial is at least this many times the last trial's length
     # Steps of 64 tokens and more are never tried on fewer threads: their GEMMs split evenly, so a team with one
@@ -66,8 +87,13 @@ class ThreadGovernor:
 
     def __init__(self, period_s: float = 2.0, trial_steps: int = 8, margin: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter, first_trial_s: float = 0.5, early_steps: int = 3,
-                 early_loss: float = 0.25):
+                 early_loss: float = 0.25, waits: Callable[[], float | None] = run_queue_wait_s,
+                 quiet_wait: float = 0.05):
         self.period_s, self.trial_steps, self.margin, self._clock = period_s, trial_steps, margin, clock
+        # ``waits``: the process's cumulative run-queue wait in seconds (None: unknown, trials run as before);
+        # trials of fewer threads are skipped while it grew by less than ``quiet_wait`` of ``most`` threads' time
+        self._waits, self.quiet_wait = waits, quiet_wait
+        self._waited: tuple[float, float | None] = (0.0, None)  # (clock, waits()) at the last look
         # the other count loses early when even the fastest of its first ``early_steps`` steps is ``early_loss``
         # slower than the current count's median: it could not win by ``margin`` over the rest of the trial
         self.early_steps, self.early_loss = early_steps, early_loss
@@ -93,6 +119,7 @@ class ThreadGovernor:
         if self.most is None:
             self.most = self.threads = torch.get_num_threads()
             self._next_trial = self._clock() + self.first_trial_s
+            self._waited = (self._clock(), self._waits())
         threads = self.threads_for(bucket_of(num_tokens))
         if threads != self.threads:
             torch.set_num_threads(threads)
@@ -123,10 +150,22 @@ class ThreadGovernor:
             elif now >= t.deadline:  # steps of that size stopped coming: no verdict
                 self._finish(now)
         elif now >= self._next_trial and full and bucket <= self.TRIAL_MAX_BUCKET:
+            if self.threads == self.most and self._quiet(now):
+                self._next_trial = now + self.period_s
+                return
             other = self.most - 1 if self.threads == self.most else self.most
             self.samples.pop((other, bucket), None)  # a trial measures the machine as it is now
             self.trial = Trial(self.threads, other, bucket, statistics.median(self.samples[key]), now,
                                now + 3 * self.period_s)
+
+    def _quiet(self, now: float) -> bool:
+        """Whether our threads waited for a CPU less than ``quiet_wait`` of ``most`` threads' time since the last
+        look (False when the wait is unknown); the look starts the next interval."""
+        (then, before), waited = self._waited, self._waits()
+        self._waited = (now, waited)
+        if waited is None or before is None or now <= then:
+            return False
+        return waited - before < self.quiet_wait * self.most * (now - then)
 
     def _lost_early(self, key: tuple[int, int], before: float) -> bool:
         """Whether the trial's first ``early_steps`` steps on the other count are all slower than it can afford."""
