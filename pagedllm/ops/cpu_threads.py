@@ -37,20 +37,22 @@ import torch
 POLICIES = ("adaptive", "fixed")
 
 
-def run_queue_wait_s() -> float | None:
+def run_queue_wait_s(tasks: str = "/proc/self/task") -> float | None:
     """Seconds this process's threads have spent runnable but waiting for a CPU, summed over the threads alive now
-    (the second field of each ``/proc/self/task/<tid>/schedstat``); None where the kernel does not say."""
-    total = 0
+    (the second field of each ``/proc/self/task/<tid>/schedstat``); None where the kernel does not say (no such
+    file, or the "0 0 0" of a kernel that does not count: a thread that ran has a run time)."""
+    ran = waited = 0
     try:
-        for tid in os.listdir("/proc/self/task"):
+        for tid in os.listdir(tasks):
             try:
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[1])
+                with open(os.path.join(tasks, tid, "schedstat")) as f:
+                    fields = f.read().split()
             except FileNotFoundError:  # the thread ended while we listed
                 continue
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
     except (OSError, ValueError, IndexError):
         return None
-    return total / 1e9
+    return waited / 1e9 if ran else None
 
 
 def bucket_of(num_tokens: int) -> int:

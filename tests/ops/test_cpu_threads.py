@@ -207,3 +207,16 @@ def test_run_queue_wait_counts_a_neighbour_on_our_core():
         busy.kill()
         busy.wait()
     assert 0.1 < waited < 0.6, f"waited {waited:.3f} s of 0.6 s on a shared core"
+
+
+def test_run_queue_wait_is_unknown_where_the_kernel_does_not_count(tmp_path):
+    """A kernel without scheduler statistics prints "0 0 0" for every thread: unknown (trials run), not quiet."""
+    def tasks(*lines: str) -> str:
+        for i, line in enumerate(lines):
+            (tmp_path / str(i)).mkdir(parents=True, exist_ok=True)
+            (tmp_path / str(i) / "schedstat").write_text(line + "\n")
+        return str(tmp_path)
+
+    assert run_queue_wait_s(tasks("0 0 0", "0 0 0")) is None
+    assert run_queue_wait_s(tasks("5000 700 3", "1000 300 1")) == pytest.approx(1e-6)
+    assert run_queue_wait_s(str(tmp_path / "missing")) is None
