@@ -120,8 +120,8 @@ class ThreadGovernor:
     def begin(self, num_tokens: int) -> float:
         if self.most is None:
             self.most = self.threads = torch.get_num_threads()
-            self._next_trial = self._clock() + self.first_trial_s
-            self._waited = (self._clock(), self._waits())
+            start = self._clock()
+            self._next_trial, self._waited = start + self.first_trial_s, (start, self._waits())
         threads = self.threads_for(bucket_of(num_tokens))
         if threads != self.threads:
             torch.set_num_threads(threads)
