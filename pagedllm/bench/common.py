@@ -82,7 +82,7 @@ def make_llm(dtype: str = "auto", seed: int = 0, **engine_args):
 
     from pagedllm.config.args import EngineArgs
 
-    defaults = dataclasses.asdict(EngineArgs(device=engine_args.get("device", "auto")))  # device-dependent ones set
+    defaults = dataclasses.asdict(EngineArgs.offline(device=engine_args.get("device", "auto")))  # as LLM sets them
     fixed = tuple(sorted((k, v) for k, v in engine_args.items() if k not in _SCHED_FIELDS and defaults.get(k) != v))
     key = (dtype, seed, fixed)
     llm = _LLMS.get(key)

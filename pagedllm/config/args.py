@@ -11,6 +11,18 @@ import torch
 from pagedllm.config.args_help import ENGINE_FLAG_HELP, GIB_FIELDS, SIZE_FIELDS, parse_gib_size, parse_size
 
 
+# vLLM's CPU step size by entry point (its EngineArgs defaults by UsageContext): the offline LLM class batches 4096
+# tokens a step, the server 2048 (shorter steps, so decodes wait less behind arriving prompts). W1 through the LLM
+# class, Zen 4, 2 cores, alternating fresh processes: 4096 tokens 1.02-1.06x 2048, 8192 no better than 2048
+# (bench/README, session 24).
+CPU_OFFLINE_BATCHED_TOKENS = 4096
+
+
+def _on_gpu(device: str) -> bool:
+    """Whether the engine's device setting lands on a GPU (``auto``: when CUDA is there)."""
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 def check_block_size(block_size: object) -> None:
     """ValueError unless ``block_size`` is a power of two in 1..256 (what the pool and every kernel take)."""
     if not isinstance(block_size, int) or not 1 <= block_size <= 256 or block_size & (block_size - 1):
@@ -29,7 +41,7 @@ class EngineArgs:
     num_blocks: int | None = None  # exact pool size (overrides the memory settings)
     swap_space: int = 0  # bytes of host tier for preemption by swap
     max_num_seqs: int | None = None  # None: 256 on CUDA, 64 on the CPU (issue 30: GPU defaults that serve)
-    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on the CPU (vLLM CPU serve's; W1 +4% over 1024)
+    max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on the CPU (vLLM CPU serve's); LLM: offline()
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -71,7 +83,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         """Device-dependent defaults: a GPU serves 256 sequences and 8192-token steps without tuning; a CPU reads
         its attention's K/V faster from long contiguous blocks (bench/README, "AMX Xeon, session 12")."""
-        on_gpu = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        on_gpu = _on_gpu(self.device)
         if self.block_size is None:
             self.block_size = 16 if on_gpu else 128
         if self.max_num_seqs is None:
@@ -93,6 +105,15 @@ class EngineArgs:
         ) if not ok]
         if bad:  # each was accepted or failed later with another field's name (num_blocks=0: "raise kv_cache_memory")
             raise ValueError("; ".join(bad))
+
+    @classmethod
+    def offline(cls, **kwargs) -> "EngineArgs":
+        """Settings for the offline ``LLM`` class: as given, with vLLM's offline step size on the CPU
+        (:data:`CPU_OFFLINE_BATCHED_TOKENS`) where ``max_num_batched_tokens`` is not."""
+        args = cls(**kwargs)
+        if kwargs.get("max_num_batched_tokens") is None and not _on_gpu(args.device):
+            args.max_num_batched_tokens = CPU_OFFLINE_BATCHED_TOKENS
+        return args
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ ENGINE_FLAG_HELP = {
                   "allowed (512MB); 0: none",
     "max_num_seqs": "most sequences in one batch (default: 256 on CUDA, 64 on the CPU)",
     "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes together; default: 8192 "
-                              "on CUDA, 2048 on the CPU)",
+                              "on CUDA, 2048 on the CPU; 4096 there for the offline LLM class, as vLLM)",
     "max_model_len": "context limit in tokens (default: the model's)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps so decodes keep running",

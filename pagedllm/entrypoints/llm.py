@@ -16,10 +16,11 @@ from pagedllm.protocol.sampling_params import SamplingParams
 
 
 class LLM:
-    """``LLM(model=None)`` loads the embedded SmolLM2-135M-Instruct; engine settings are keyword args."""
+    """``LLM(model=None)`` loads the embedded SmolLM2-135M-Instruct; engine settings are keyword args, with the
+    offline defaults of :meth:`EngineArgs.offline` (longer CPU steps than the server's)."""
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.engine = LLMEngine(EngineArgs.offline(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

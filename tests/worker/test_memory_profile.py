@@ -111,5 +111,17 @@ def test_gpu_defaults_serve_and_the_cpu_keeps_its_own(monkeypatch):
     assert EngineArgs(device="cpu", block_size=32).block_size == 32
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         EngineArgs(device="cpu", block_size=48)
+    # the offline LLM class takes vLLM's longer CPU steps unless told; the server's defaults stay
+    assert EngineArgs.offline(device="cpu").max_num_batched_tokens == 4096
+    assert EngineArgs.offline(device="cpu", max_num_batched_tokens=512).max_num_batched_tokens == 512
+    assert EngineArgs.offline(device="cuda").max_num_batched_tokens == 8192
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineArgs.offline().max_num_batched_tokens == 8192  # auto picks the GPU
     assert (EngineArgs().max_num_seqs, EngineArgs().block_size) == (256, 16)  # auto picks the GPU
+
+
+def test_the_llm_class_takes_the_offline_step_size(tiny_model_dir):
+    """LLM builds its engine from EngineArgs.offline: vLLM's 4096-token CPU steps, where the server keeps 2048."""
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", num_blocks=8, block_size=16)
+    assert llm.engine.args.max_num_batched_tokens == 4096
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 4096
