@@ -113,6 +113,19 @@ def _cases() -> list[tuple[str, tuple, dict]]:
                                  torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g), 4,
                                  [d.k_cache, d2.k_cache], [d.v_cache, d2.v_cache], dm.slot_mapping, dm.block_tables,
                                  dm.seq_lens, dm.query_start_loc, dm.block_size, d.scale, 4, [], []), {}))
+    r = make_random_batch([1, 1, 1], [9, 20, 12], num_kv_heads=2, group=2, head_dim=16, spare_blocks=2)  # 3 decodes
+    rm = r.meta
+    r2 = make_random_batch([1, 1, 1], [9, 20, 12], num_kv_heads=2, group=2, head_dim=16, spare_blocks=2)
+
+    def packed(n: int, k: int) -> list[torch.Tensor]:  # two layers' packed copies of an [n, k] matrix
+        return [torch.ops.pagedllm.amx_pack_bf16(torch.randn(n, k, generator=g).bfloat16()) for _ in range(2)]
+
+    out.append(("bf16_layers", (torch.randn(3, 64, generator=g), None, [torch.rand(64), torch.rand(64)],
+                                [torch.rand(64), torch.rand(64)], 1e-5, packed(128, 64), packed(64, 64),
+                                packed(128, 64), packed(64, 64), [128, 64, 128, 64], torch.randn(3, 8, generator=g),
+                                torch.randn(3, 8, generator=g), 4, [r.k_cache, r2.k_cache], [r.v_cache, r2.v_cache],
+                                rm.slot_mapping, rm.block_tables, rm.seq_lens, rm.query_start_loc, rm.block_size,
+                                r.scale, 4, [], []), {}))
     return out
 
 
@@ -140,11 +153,11 @@ def test_mutations_are_declared_in_the_schemas():
     assert writes["write_kv"] == writes["attend_qkv"] == ["k_cache", "v_cache", "k_scale", "v_scale"]
     assert writes["paged_attention_out"] == writes["prefill_attention_amx"] == ["out"]
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
-    assert writes["decode_layer"] == ["h", "k_caches", "v_caches", "k_scales", "v_scales"]
+    assert writes["decode_layer"] == writes["bf16_layers"] == ["h", "k_caches", "v_caches", "k_scales", "v_scales"]
     assert writes["quant_gemv_part"] == writes["linear_a8_packed_part"] == ["y"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
                                                               "prefill_attention_amx",
-                                                              "add_rms_norm", "rope", "lora_bgmv", "decode_layer",
+                                                              "add_rms_norm", "rope", "lora_bgmv", "decode_layer", "bf16_layers",
                                                               "quant_gemv_part", "linear_a8_packed_part"))
 
 

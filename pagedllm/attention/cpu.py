@@ -129,6 +129,11 @@ class CpuBackend:
             meta.extra[key] = runs
         return meta.extra[key]
 
+    def kernel_only(self, k_cache, meta: AttentionMetadata) -> bool:
+        """Whether every sequence of this step (over a pool like ``k_cache``) goes through the paged kernel, so that
+        :meth:`forward_qkv` is one ``attend_qkv`` call: no prefill chunk for SDPA or the AMX kernel."""
+        return not any(run[2] for run in self._runs(meta, self._sdpa_mode(k_cache, meta)))
+
     def prepare(self, meta: AttentionMetadata) -> None:
         return None
 
@@ -163,8 +168,7 @@ class CpuBackend:
         """Attention straight from the fused projection output ``qkv [T, (H + 2 Hkv) D]`` (rope applied):
         one C++ call (write K/V, attend) returning ``[T, H * D]``; at batch 1 the views and separate calls
         of :meth:`forward` cost as much as the attention. Steps with a prefill chunk for SDPA take that path."""
-        sdpa = any(run[2] for run in self._runs(meta, self._sdpa_mode(k_cache, meta)))
-        if sdpa or qkv.dim() != 2 or qkv.stride(1) != 1:
+        if not self.kernel_only(k_cache, meta) or qkv.dim() != 2 or qkv.stride(1) != 1:
             T, D = qkv.shape[0], k_cache.shape[2]
             Hkv = k_cache.shape[0]
             q = qkv[:, : num_heads * D].view(T, num_heads, D)

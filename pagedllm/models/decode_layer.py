@@ -54,6 +54,28 @@ def _step_applies(gemv: str | None, h: torch.Tensor, backend) -> bool:
     return bool(ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv))
 
 
+class PoolLists:
+    """A pool's per-layer tensors as the fused calls take them (K, V, and an int8 / fp8 pool's scales), gathered
+    once per pool: a KVCache's layers are fixed at its creation."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._of, self._lists = None, ([], [], [], [])
+
+    def __call__(self, kv_cache) -> tuple[list, list, list, list]:
+        if self._of is not kv_cache:
+            kd, vd, ks, vs = [], [], [], []
+            for i in range(self.num_layers):
+                k, v, scales = kernel_args(*kv_cache.layer(i))
+                kd.append(k)
+                vd.append(v)
+                if scales:
+                    ks.append(scales["k_scale"])
+                    vs.append(scales["v_scale"])
+            self._of, self._lists = kv_cache, (kd, vd, ks, vs)
+        return self._lists
+
+
 class FusedDecode:
     """A model's layers as the fused call takes them: their norms, matrices and formats, gathered once (at the
     first batch-1 step) with the GEMV kind they share (None where a layer needs the per-op path)."""
@@ -71,32 +93,17 @@ class FusedDecode:
         self.qtypes = [getattr(layer, attr).qtype for layer in layers for attr in MATRICES]
         self.rows = [getattr(first, attr).shape[0] for attr in MATRICES]
         self.int8_activations = getattr(first, MATRICES[0]).int8_activations
-        self._pool_of, self._pool_lists = None, ([], [], [], [])
+        self.pool = PoolLists(len(layers))
 
     def applies(self, h: torch.Tensor, backend) -> bool:
         """Whether this step's call computes what the layers' per-op forwards would (see the module docstring)."""
         return _step_applies(self.gemv, h, backend)
 
-    def _pool(self, kv_cache) -> tuple[list, list, list, list]:
-        """The pool's per-layer tensors as the call takes them (K, V, and an int8 / fp8 pool's scales), gathered
-        once per pool: a KVCache's layers are fixed at its creation."""
-        if self._pool_of is not kv_cache:
-            kd, vd, ks, vs = [], [], [], []
-            for i in range(len(self.input_norms)):
-                k, v, scales = kernel_args(*kv_cache.layer(i))
-                kd.append(k)
-                vd.append(v)
-                if scales:
-                    ks.append(scales["k_scale"])
-                    vs.append(scales["v_scale"])
-            self._pool_of, self._pool_lists = kv_cache, (kd, vd, ks, vs)
-        return self._pool_lists
-
     def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
                  meta, backend, scale: float) -> torch.Tensor:
         """Every layer's forward for one token in one call: updates ``h`` and the pool, returns the last layer's MLP
         output (the final norm's delta)."""
-        kd, vd, ks, vs = self._pool(kv_cache)
+        kd, vd, ks, vs = self.pool(kv_cache)
         return torch.ops.pagedllm.decode_layer.default(
             h, delta, self.input_norms, self.post_norms, self.eps, *self.matrices, self.qtypes, self.rows,
             self.int8_activations, cos, sin, self.num_heads, kd, vd, meta.slot_mapping, meta.block_tables,

@@ -20,6 +20,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.bf16_gemm import PackedBF16, onednn_bf16_available
 from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
+from pagedllm.models.bf16_layers import FusedBF16Layers
 from pagedllm.models.decode_layer import FusedDecode
 from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear,
                                     linear_silu_mul, rms_norm, rope_cos_sin, rope_widened, silu_mul)
@@ -327,6 +328,8 @@ class LlamaForCausalLM(nn.Module):
         delta = None
         if lora is None and self.fused_decode.applies(h, backend):  # batch 1: every layer in one C++ call, same ops
             delta = self.fused_decode(h, delta, cos, sin, kv_cache, meta, backend, self.scale)
+        elif lora is None and self.fused_layers.applies(h, backend, kv_cache, meta):  # gguf-bf16 rows: the same
+            delta = self.fused_layers(h, cos, sin, kv_cache, meta, backend, self.scale)
         else:
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv_cache.layer(i)
@@ -337,6 +340,11 @@ class LlamaForCausalLM(nn.Module):
     def fused_decode(self) -> FusedDecode:
         """The layers as the fused batch-1 call takes them, gathered at the first step that asks (weights loaded)."""
         return FusedDecode(self.layers)
+
+    @functools.cached_property
+    def fused_layers(self) -> FusedBF16Layers:
+        """The layers as the fused call of several gguf-bf16 rows takes them, gathered at the first step that asks."""
+        return FusedBF16Layers(self.layers)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[T, E]`` in the activation dtype (a new tensor). Vocab-parallel: each rank looks up

@@ -11,6 +11,7 @@ loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a
 | ``paged_attention`` | ``write_kv``, ``paged_attention_out``, ``attend_qkv`` |
 | ``gemm`` | ``linear``, ``quant_linear``, ``dequantize`` |
 | ``decode_layer`` | ``decode_layer`` (a model's batch-1 step through its decoder layers: the ops of the other libraries in one call) |
+| ``bf16_layers`` | ``bf16_layers`` (a gguf-bf16 step of several rows through the decoder layers: the ops of the other libraries in one call) |
 | ``gemv`` | ``quant_gemv`` (one row of x on GGUF blocks, block scales factored out), ``quant_gemv_part`` (a team thread's rows of it) |
 | ``fused_ops`` | ``add_rms_norm``, ``rope``, ``silu_mul`` |
 | ``quant_a8`` | ``linear_a8``, ``quantize_a8``, ``pack_a8``, ``linear_a8_packed``, ``linear_a8_packed_part`` |

@@ -67,6 +67,13 @@ def _decode_layer(h, delta, input_norms, post_norms, eps, qkv_wq, o_wq, gate_up_
     return h.new_empty(h.shape)
 
 
+@_fake("bf16_layers", "bf16_layers")
+def _bf16_layers(h, delta, input_norms, post_norms, eps, qkv_w, o_w, gate_up_w, down_w, rows, cos, sin, num_heads,
+                 k_caches, v_caches, slot_mapping, block_tables, seq_lens, query_start_loc, block_size, scale, q_tile,
+                 k_scales, v_scales) -> torch.Tensor:
+    return h.new_empty(h.shape, dtype=torch.bfloat16)
+
+
 @_fake("gemv", "quant_gemv")
 def _quant_gemv(x, wq, qtype, bias=None) -> torch.Tensor:
     return x.new_empty((1, wq.shape[0]))

@@ -22,7 +22,6 @@
 #include "ops_common.h"
 
 #include <ATen/ThreadLocalState.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
 #include <array>
@@ -36,11 +35,7 @@ namespace {
 
 using Tensor = torch::Tensor;
 using OptTensor = std::optional<Tensor>;
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
+using pagedllm_ops::op;
 
 // The team's phases without barriers: a phase's work is cut into pieces claimed from an atomic counter, so the
 // threads that are running do all of it, and a thread waits only for pieces another has claimed and not finished

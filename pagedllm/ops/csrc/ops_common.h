@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -26,6 +27,13 @@
 #endif
 
 namespace pagedllm_ops {
+
+// An op (of any library) as C++ calls it through the dispatcher: how the fused calls (decode_layer.cpp,
+// bf16_layers.cpp) run the separate ops, so that their results are those ops' bits.
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
 
 #ifdef __AVX2__
 inline float hsum8(__m256 v) {
