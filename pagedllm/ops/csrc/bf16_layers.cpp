@@ -9,7 +9,6 @@
 // parsing) cost ~1.5-2 ms of a ~40 ms decode step of 36 rows on the embedded model (30 layers, Zen 4, 2 threads).
 #include "ops_common.h"
 
-
 namespace {
 
 using Tensor = torch::Tensor;
