@@ -13,7 +13,7 @@ from pagedllm.config.args_help import ENGINE_FLAG_HELP, GIB_FIELDS, SIZE_FIELDS,
 
 # vLLM's CPU step size by entry point (its EngineArgs defaults by UsageContext): the offline LLM class batches 4096
 # tokens a step, the server 2048 (shorter steps, so decodes wait less behind arriving prompts). W1 through the LLM
-# class, Zen 4, 2 cores, alternating fresh processes: 4096 tokens 1.02-1.06x 2048, 8192 no better than 2048
+# class, Zen 4, 2 cores, alternating fresh processes: 4096 tokens 1.02x 2048 (pairs 1.00-1.06), 8192 no better than 2048
 # (bench/README, session 24).
 CPU_OFFLINE_BATCHED_TOKENS = 4096
 
