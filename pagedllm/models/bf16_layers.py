@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.models.bf16_gemm import COPY_MAX_ROWS
-from pagedllm.models.decode_layer import PoolLists
+from pagedllm.models.decode_layer import LayerArgs
 from pagedllm.models.quant import MATRICES, QuantizedWeight
 
 FUSED = os.environ.get("PAGEDLLM_UNFUSED_LAYERS") != "1"
@@ -36,29 +36,26 @@ def _packed_copies(layer: nn.Module) -> list | None:
     return [m.bf16 for m in w]
 
 
-class FusedBF16Layers:
+class FusedBF16Layers(LayerArgs):
     """A model's layers as the fused call takes them: their norms and packed copies, gathered once (at the first
-    step that asks); ``copies`` is None where a layer needs the per-op path."""
+    step that asks); ``matrices`` is None where a layer needs the per-op path."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
         per_layer = [_packed_copies(layer) for layer in layers]
-        self.copies = None if any(c is None for c in per_layer) else per_layer
-        if self.copies is None:
+        # the gate/up pass with silu in its epilogue takes whole 16-column blocks of gate and of up
+        if any(c is None for c in per_layer) or per_layer[0][2].shape[0] % 32:
+            self.matrices = None
             return
-        first = layers[0]
-        self.eps, self.num_heads = first.eps, first.num_heads
-        self.input_norms = [layer.input_norm for layer in layers]
-        self.post_norms = [layer.post_norm for layer in layers]
+        super().__init__(layers)
         self.matrices = [[c[i].amx for c in per_layer] for i in range(len(MATRICES))]
         self.rows = [c.shape[0] for c in per_layer[0]]
         self.min_rows = max(c.min_rows for c in per_layer[0])
-        self.pool = PoolLists(len(layers))
 
     def applies(self, h: torch.Tensor, backend, kv_cache, meta) -> bool:
         """Whether this step's call computes what the layers' per-op forwards would (see the module docstring)."""
-        if self.copies is None or not FUSED or h.dtype != torch.float32 or not h.is_cpu or h.dim() != 2:
+        if self.matrices is None or not FUSED or h.dtype != torch.float32 or not h.is_cpu or h.dim() != 2:
             return False
-        if not self.min_rows <= h.shape[0] <= COPY_MAX_ROWS or self.rows[2] % 32:
+        if not self.min_rows <= h.shape[0] <= COPY_MAX_ROWS:
             return False
         if getattr(backend, "name", None) != "cpu" or not backend.kernel_only(kv_cache.layer(0)[0], meta):
             return False

@@ -54,29 +54,32 @@ def _step_applies(gemv: str | None, h: torch.Tensor, backend) -> bool:
     return bool(ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv))
 
 
-class PoolLists:
-    """A pool's per-layer tensors as the fused calls take them (K, V, and an int8 / fp8 pool's scales), gathered
-    once per pool: a KVCache's layers are fixed at its creation."""
+class LayerArgs:
+    """What both fused calls (this one and ``bf16_layers.FusedBF16Layers``) take of a model's layers besides their
+    matrices: eps, heads, the norms, and the pool's per-layer tensors (K, V, and an int8 / fp8 pool's scales),
+    gathered once per pool: a KVCache's layers are fixed at its creation."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self._of, self._lists = None, ([], [], [], [])
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.eps, self.num_heads = layers[0].eps, layers[0].num_heads
+        self.input_norms = [layer.input_norm for layer in layers]
+        self.post_norms = [layer.post_norm for layer in layers]
+        self._pool_of, self._pool_lists = None, ([], [], [], [])
 
-    def __call__(self, kv_cache) -> tuple[list, list, list, list]:
-        if self._of is not kv_cache:
+    def pool(self, kv_cache) -> tuple[list, list, list, list]:
+        if self._pool_of is not kv_cache:
             kd, vd, ks, vs = [], [], [], []
-            for i in range(self.num_layers):
+            for i in range(len(self.input_norms)):
                 k, v, scales = kernel_args(*kv_cache.layer(i))
                 kd.append(k)
                 vd.append(v)
                 if scales:
                     ks.append(scales["k_scale"])
                     vs.append(scales["v_scale"])
-            self._of, self._lists = kv_cache, (kd, vd, ks, vs)
-        return self._lists
+            self._pool_of, self._pool_lists = kv_cache, (kd, vd, ks, vs)
+        return self._pool_lists
 
 
-class FusedDecode:
+class FusedDecode(LayerArgs):
     """A model's layers as the fused call takes them: their norms, matrices and formats, gathered once (at the
     first batch-1 step) with the GEMV kind they share (None where a layer needs the per-op path)."""
 
@@ -85,15 +88,12 @@ class FusedDecode:
         self.gemv = kinds.pop() if len(kinds) == 1 else None
         if self.gemv is None:
             return
+        super().__init__(layers)
         first = layers[0]
-        self.eps, self.num_heads = first.eps, first.num_heads
-        self.input_norms = [layer.input_norm for layer in layers]
-        self.post_norms = [layer.post_norm for layer in layers]
         self.matrices = [[getattr(layer, attr).data for layer in layers] for attr in MATRICES]
         self.qtypes = [getattr(layer, attr).qtype for layer in layers for attr in MATRICES]
         self.rows = [getattr(first, attr).shape[0] for attr in MATRICES]
         self.int8_activations = getattr(first, MATRICES[0]).int8_activations
-        self.pool = PoolLists(len(layers))
 
     def applies(self, h: torch.Tensor, backend) -> bool:
         """Whether this step's call computes what the layers' per-op forwards would (see the module docstring)."""
