@@ -96,6 +96,7 @@ def _cases() -> list[tuple[str, tuple, dict]]:
         ("lora_bgmv", (torch.randn(3, 20, generator=g), torch.randn(3, 12, generator=g),
                        torch.randn(2, 2, 4, 12, generator=g), [torch.randn(2, 4, 8), torch.randn(2, 4, 5)], [0, 9],
                        torch.tensor([1, -1, 0])), {}),
+        ("instruction_peak", (torch.zeros(1, dtype=torch.float64), "fp32_fma", 10), {}),
     ]
     pf = make_random_batch([5, 40], [9, 40], num_kv_heads=2, group=2, head_dim=64, block_size=32,
                            cache_dtype=torch.bfloat16, spare_blocks=2)  # prefill chunks, one after a cached prefix
@@ -155,10 +156,12 @@ def test_mutations_are_declared_in_the_schemas():
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
     assert writes["decode_layer"] == writes["bf16_layers"] == ["h", "k_caches", "v_caches", "k_scales", "v_scales"]
     assert writes["quant_gemv_part"] == writes["linear_a8_packed_part"] == ["y"]
+    assert writes["instruction_peak"] == ["flops"]
     assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
                                                               "prefill_attention_amx",
                                                               "add_rms_norm", "rope", "lora_bgmv", "decode_layer", "bf16_layers",
-                                                              "quant_gemv_part", "linear_a8_packed_part"))
+                                                              "quant_gemv_part", "linear_a8_packed_part",
+                                                              "instruction_peak"))
 
 
 def _layer(h, delta, norm_w, qkv_w, cos, sin, k_cache, v_cache, slots, tables, seq_lens, qsl, num_heads: int,

@@ -11,6 +11,9 @@ that runs (ours, oneDNN/MKL through torch, bf16, int8). From those and the model
   read bandwidth (each decode token reads its whole context once a layer; prefill chunks, which read theirs once
   per query tile, left out): still optimistic, but it counts the bytes no kernel can skip. The pool holds bf16
   under bf16 activations (formats bf16, gguf-bf16), else fp32.
+* W1 floor at the cores' peak = the floor with KV reads, its FLOPs at the instruction peak of the format's
+  arithmetic (``ops/csrc/peak.cpp``: FMA for fp32 and the exact GGUF path, VDPBF16PS or AMX tiles for bf16,
+  VPDPBUSD for int8) where that beats the best GEMM path: the hardware's bound, not a library's.
 
 A measured tok/s at or near its ceiling cannot go faster on this machine in that format; the gap to the ceiling is
 what the engine's own overheads cost.
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from pagedllm.bench.report import Report, Table
-from pagedllm.bench.roofline_measure import GemmPath, bandwidth, best_of, gemm_peaks
+from pagedllm.bench.roofline_measure import GemmPath, bandwidth, best_of, gemm_peaks, instruction_peaks
 from pagedllm.bench.workloads import W1, W1_QUICK
 from pagedllm.models.config import ModelConfig
 from pagedllm.ops.gguf_blocks import BLOCK_BYTES, QUANT_NAMES
@@ -125,8 +128,10 @@ def kv_bytes_per_key(shape: ModelShape, fmt: str) -> int:
 FORMATS = {"fp32": "fp32", "bf16": "bf16", "gguf": "fp32 on {q}", "gguf-a8": "int8", "gguf-bf16": "bf16"}
 
 
-def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: dict) -> list[dict]:
-    """Per weight format: bytes per decode step, the batch-1 ceiling, the W1 GEMM path and W1's ceiling."""
+def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: dict,
+           peaks: list[GemmPath] = ()) -> list[dict]:
+    """Per weight format: bytes per decode step, the batch-1 ceiling, the W1 GEMM path and W1's ceiling; with the
+    cores' instruction ``peaks``, W1's floor at them too."""
     flops, out_tokens = workload_flops(shape, w)
     keys = workload_decode_keys(w)
     qt = shape.layer_qtype()
@@ -138,10 +143,14 @@ def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: di
         nbytes = shape.step_bytes(fmt)
         gemm_s = flops / (path.gflops * 1e9) if path else None
         kv_s = keys * kv_bytes_per_key(shape, fmt) / bw["read"]
+        peak = best_of(list(peaks), family.split(" on ")[0])  # the exact GGUF path's arithmetic is fp32 FMAs
+        top = max(peak.gflops if peak else 0.0, path.gflops if path else 0.0)
         rows.append({"format": fmt, "step_bytes": nbytes, "b1_tok_s": bw["read"] / nbytes,
                      "gemm_path": path.name if path else None, "gemm_gflops": path.gflops if path else None,
                      "w1_tok_s": out_tokens / gemm_s if path else None,
-                     "w1_kv_tok_s": out_tokens / (gemm_s + kv_s) if path else None})
+                     "w1_kv_tok_s": out_tokens / (gemm_s + kv_s) if path else None,
+                     "peak_gflops": peak.gflops if peak else None,
+                     "w1_peak_tok_s": out_tokens / (flops / (top * 1e9) + kv_s) if top else None})
     return rows
 
 
@@ -153,10 +162,12 @@ def measure(quick: bool, model: str | None = None, w: dict | None = None) -> dic
     qtypes = tuple(sorted(set(shape.block_qtypes.values())))
     paths, refused = gemm_peaks(32 if quick else GEMM_ROWS, c.hidden_size, 2 * c.intermediate_size, qtypes,
                                 budget_s=0.05 if quick else 0.3)
+    peaks = instruction_peaks(budget_s=0.02 if quick else 0.2)
     w = w or (W1_QUICK if quick else W1)
     return {"bandwidth_Bps": bw, "gemm": [p.__dict__ for p in paths], "refused": refused,
+            "instruction": [p.__dict__ for p in peaks],
             "gemm_shape": [32 if quick else GEMM_ROWS, c.hidden_size, 2 * c.intermediate_size],
-            "floors": floors(shape, bw, paths, w), "workload": w, "threads": torch.get_num_threads()}
+            "floors": floors(shape, bw, paths, w, peaks), "workload": w, "threads": torch.get_num_threads()}
 
 
 def format_of(dtype: torch.dtype, quantization: str) -> str:
@@ -200,14 +211,19 @@ def run(args) -> Report:
               "W1-sized step)."),
              (f"W1: {r['workload']['num']} requests, prompt {r['workload']['prompt_range']}, output "
               f"{r['workload']['output_range']} (expected lengths); attention FLOPs counted at the GEMM peak; the "
-              "floor with KV reads adds the decode steps' K/V bytes at the read bandwidth.")]
+              "floor with KV reads adds the decode steps' K/V bytes at the read bandwidth; the floor at the cores' "
+              "peak counts the FLOPs at the instruction peak instead, where it beats every GEMM path (the "
+              "instruction peak: every thread running the one instruction on registers, no loads).")]
     notes += [f"not available on this CPU: {name} ({why})" for name, why in r["refused"].items()]
-    gemm = Table(["GEMM path", "family", "GFLOP/s"], [[g["name"], g["family"], g["gflops"]] for g in r["gemm"]],
-                 "Peak GEMM throughput", 1)
+    gemm = Table(["GEMM path", "family", "GFLOP/s"],
+                 [[g["name"], g["family"], g["gflops"]] for g in r["gemm"] + r["instruction"]],
+                 "Peak throughput: GEMM paths, then the cores' instruction peak", 1)
     fl = Table(["weight format", "MB per decode step", "batch-1 ceiling tok/s", "W1 GEMM path", "GFLOP/s",
-                "W1 ceiling output tok/s", "W1 floor with KV reads, output tok/s"],
+                "W1 ceiling output tok/s", "W1 floor with KV reads, output tok/s", "instruction peak GFLOP/s",
+                "W1 floor at the cores' peak, output tok/s"],
                [[f["format"], f["step_bytes"] / 1e6, f["b1_tok_s"], f["gemm_path"], f["gemm_gflops"], f["w1_tok_s"],
-                 f["w1_kv_tok_s"]] for f in r["floors"]], "Floors of the embedded model", 1)
+                 f["w1_kv_tok_s"], f["peak_gflops"], f["w1_peak_tok_s"]] for f in r["floors"]],
+               "Floors of the embedded model", 1)
     tables = [gemm, fl]
     if args.gemm_shapes:
         from pagedllm.bench.roofline_shapes import (

@@ -1,4 +1,5 @@
-"""What this CPU can do at best, measured through torch: streaming bandwidth and peak GEMM throughput per path.
+"""What this CPU can do at best, measured through torch: streaming bandwidth, peak GEMM throughput per path, and the
+cores' arithmetic peak per instruction (``ops/csrc/peak.cpp``: what no GEMM path can pass).
 
 These are the two numbers a step cannot beat: batch-1 decode streams every weight once per token (bound by the
 bandwidth), batched prefill and W1 multiply many rows per weight (bound by the GEMM throughput). Each figure is the
@@ -109,3 +110,27 @@ def gemm_peaks(m: int, k: int, n: int, qtypes: tuple[int, ...] = (3, 8),
 def best_of(paths: list[GemmPath], family: str) -> GemmPath | None:
     """The fastest measured path of ``family``; None when none ran."""
     return next((p for p in paths if p.family == family), None)
+
+
+# instruction_peak's units -> the GEMM family each bounds, and how the report names it
+INSTRUCTIONS = {"fp32_fma": ("fp32", "fp32 FMA"), "bf16_dot": ("bf16", "bf16 VDPBF16PS"),
+                "int8_dot": ("int8", "int8 VPDPBUSD (AVX2: VPMADDUBSW pairs)"), "amx_bf16": ("bf16", "bf16 AMX tiles")}
+
+
+def instruction_peaks(budget_s: float = 0.2) -> list[GemmPath]:
+    """GFLOP/s of each instruction the cores have, every torch thread running it on registers only, fastest first;
+    none where the peak kernel can't be built. Each call runs ~20 ms (its round count is sized by a first call)."""
+    if not ops.load("peak"):
+        return []
+    flops, out = torch.zeros(1, dtype=torch.float64), []
+    for unit, (family, name) in INSTRUCTIONS.items():
+        t0 = time.perf_counter()
+        torch.ops.pagedllm.instruction_peak.default(flops, unit, 10_000)
+        if flops.item() == 0:  # not on this CPU
+            continue
+        iters = max(10_000, int(10_000 * 0.02 / max(time.perf_counter() - t0, 1e-6)))
+        seconds = best_seconds(lambda u=unit, n=iters: torch.ops.pagedllm.instruction_peak.default(flops, u, n),
+                               budget_s=budget_s)
+        out.append(GemmPath(f"{name}, instruction peak", family, flops.item() / seconds / 1e9))
+    return sorted(out, key=lambda p: -p.gflops)
+

@@ -85,11 +85,15 @@ def test_throughput(outdir, capsys):
         assert b1[A8_NAME] > 0
     if any("llama.cpp" in s for s in systems):
         assert b1["llama_cpp"] > 0
-    # the skipped baselines appear in the table with their note, and the roofline's ceiling as a row and a column
+    # the skipped baselines appear in the table with their note, and the roofline's ceiling as a row and a column,
+    # then W1's floor at the cores' instruction peak (with the decode K/V reads), last
     rows = d["tables"][0]["rows"]
-    assert len(rows) == len(r["runs"]) + len(r["skipped"]) + 1
-    assert rows[-1][0].startswith("roofline") and "W1 ceiling" in d["tables"][0]["columns"][-2]
-    assert rows[0][-2] == pytest.approx(100 * r["runs"][0]["output_tok_s"] / rows[-1][2])
+    peak = [row for row in rows if row[0].startswith("roofline: W1 floor at the cores' peak")]
+    assert len(rows) == len(r["runs"]) + len(r["skipped"]) + 2 and len(peak) == 1
+    ceiling = rows[-2]
+    assert ceiling[0].startswith("roofline: W1 ceiling") and "W1 ceiling" in d["tables"][0]["columns"][-2]
+    assert rows[0][-2] == pytest.approx(100 * r["runs"][0]["output_tok_s"] / ceiling[2])
+    assert rows[-1] == peak[0] and peak[0][2] > 0 and peak[0][-2] == pytest.approx(100 * peak[0][2] / ceiling[2])
 
 
 def test_throughput_leaves_partial_results_when_cut_short(tmp_path, capsys, monkeypatch):

@@ -71,6 +71,17 @@ def test_floors_divide_bandwidth_by_bytes_and_flops_by_the_formats_path(shape):
     assert rows["gguf"]["w1_kv_tok_s"] == pytest.approx(outs / (flops / 50e9 + kv_s))
     assert rows["gguf"]["w1_kv_tok_s"] < rows["gguf"]["w1_tok_s"]
     assert rows["bf16"]["gemm_path"] is None and rows["bf16"]["w1_tok_s"] is None  # no bf16 path measured
+    assert rows["gguf"]["w1_peak_tok_s"] == rows["gguf"]["w1_kv_tok_s"] and rows["gguf"]["peak_gflops"] is None
+    # the cores' peak: fp32 FMAs bound the exact GGUF path too; a peak below the best path leaves the path's figure
+    peaks = [GemmPath("fma", "fp32", 80.0), GemmPath("vdp", "bf16", 400.0), GemmPath("vnni", "int8", 150.0)]
+    rows = {r["format"]: r for r in roofline.floors(shape, {"read": 1e10}, paths, w, peaks)}
+    assert rows["gguf"]["peak_gflops"] == 80.0 and rows["gguf"]["w1_peak_tok_s"] == pytest.approx(outs / (flops / 80e9
+                                                                                                         + kv_s))
+    assert rows["fp32"]["w1_peak_tok_s"] == pytest.approx(outs / (flops / 100e9 + kv_s))  # path 100 > peak 80
+    assert rows["gguf-a8"]["w1_peak_tok_s"] == rows["gguf-a8"]["w1_kv_tok_s"]  # path 200 > peak 150
+    kv16 = kv_s / 2  # bf16 pool
+    assert rows["bf16"]["w1_tok_s"] is None and rows["bf16"]["w1_peak_tok_s"] == pytest.approx(
+        outs / (flops / 400e9 + kv16))
     no_blocks = roofline.ModelShape(shape.config, {}, {})
     assert [r["format"] for r in roofline.floors(no_blocks, {"read": 1e10}, paths, w)] == ["fp32", "bf16"]
 
@@ -113,7 +124,8 @@ def test_bench_roofline_quick_writes_the_tables(tmp_path, capsys):
     data = json.loads((tmp_path / "roofline.json").read_text())
     r = data["result"]
     assert {f["format"] for f in r["floors"]} >= {"fp32", "bf16"}
-    assert r["bandwidth_Bps"]["read"] > 0 and r["gemm"]
+    assert r["bandwidth_Bps"]["read"] > 0 and r["gemm"] and r["instruction"]
+    assert all(f["w1_peak_tok_s"] >= f["w1_kv_tok_s"] for f in r["floors"] if f["w1_kv_tok_s"])
     assert (tmp_path / "roofline.png").read_bytes()[:4] == b"\x89PNG"
 
 
