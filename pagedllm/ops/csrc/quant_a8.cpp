@@ -1,7 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for W in GGUF Q4_1 / Q8_0 blocks, llama.cpp-style: the
 // activations are quantized per row and per 32-element block to int8 (d_x = amax / 127, q_x = round(x / d_x),
 // ties to even, plus the block's fp32 sum s_x) and the block dot products run in integer SIMD
-// (vpmaddubsw: 32 int8 MACs per instruction against 8 per fp32 FMA).
+// (vpmaddubsw, or VPDPBUSD on AVX512-VNNI: 32 int8 MACs per instruction against 8 per fp32 FMA).
 //   Q4_1: sum_j w_j x_j ~ d_w d_x sum (q_w - 8) q_x + (m_w + 8 d_w) s_x     Q8_0: d_w d_x sum q_w q_x
 // (Q4_1 is llama.cpp's d_w d_x sum q_w q_x + m_w s_x with the nibbles centred: the block-sum part of the
 // x rounding error is taken exactly from s_x, which halves the error for typical blocks.)
@@ -189,6 +189,21 @@ inline void pin(__m256i& v) { __asm__("" : "+x"(v)); }
 
 inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(ld32(reinterpret_cast<const uint8_t*>(p))); }
 
+// A block's unsigned-weight x int8 products, summed per output lane. AVX512-VNNI: VPDPBUSD adds each lane's 4
+// products straight into int32, one instruction per 32 products. AVX2: VPMADDUBSW into int16 pairs (a block cannot
+// overflow them, see the top), then one VPMADDWD a block to int32. The same integers either way, hence the same bits.
+// Zen 4, the embedded model's four Q4_1 layer GEMMs on 2 threads: 1.22x faster at 8 rows, 1.28x at 36, 1.30-1.32x
+// from 64 to 1,024 (one row goes to the GEMV, unchanged).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i dot_first(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+inline __m256i dot_add(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
+inline __m256i dot_sums(__m256i acc, int shift) { return _mm256_slli_epi32(acc, shift); }  // the sums << shift
+#else
+inline __m256i dot_first(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
+inline __m256i dot_add(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+inline __m256i dot_sums(__m256i acc, int shift) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(short{1} << shift)); }
+#endif
+
 inline void store_out(float* y, __m256 v, const float* bias, int nr) {
   if (bias) {
     if (nr == 8) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
@@ -213,11 +228,10 @@ inline void store_out(float* y, __m256 v, const float* bias, int nr) {
 template <int MR>
 inline void q4_block_sums(const QX& qx, int64_t m0, int64_t KB, int64_t b, const __m256i* p, __m256 dw, __m256 mw,
                           __m256* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int i = 0; i < MR; ++i) {
     const int64_t r = (m0 + i) * KB + b;
     const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[r]));
-    const __m256i si = _mm256_sub_epi32(_mm256_madd_epi16(p[i], ones), _mm256_set1_epi32(8 * qx.c[r]));
+    const __m256i si = _mm256_sub_epi32(dot_sums(p[i], 0), _mm256_set1_epi32(8 * qx.c[r]));
     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[i]);
     acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(qx.s[r]), acc[i]);
   }
@@ -228,10 +242,9 @@ inline void q4_block_sums(const QX& qx, int64_t m0, int64_t KB, int64_t b, const
 template <int MR>
 inline void q8_block_sums(const QX& qx, int64_t m0, int64_t KB, int64_t b, const __m256i* pl, const __m256i* ph,
                           __m256 dw, __m256* acc) {
-  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
   for (int i = 0; i < MR; ++i) {
     const int64_t r = (m0 + i) * KB + b;
-    const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(pl[i], ones), _mm256_madd_epi16(ph[i], sixteen)),
+    const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(dot_sums(pl[i], 0), dot_sums(ph[i], 4)),
                                        _mm256_set1_epi32(128 * qx.c[r]));
     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[r])), acc[i]);
   }
@@ -251,12 +264,12 @@ void tile_q4(const QX& qx, int64_t m0, int64_t K, const uint8_t* panel, float* y
     __m256i p[MR];
     {
       const __m256i wv = loadu256(P);
-      for (int i = 0; i < MR; ++i) p[i] = _mm256_maddubs_epi16(wv, bcast(xb + i * K));
+      for (int i = 0; i < MR; ++i) p[i] = dot_first(wv, bcast(xb + i * K));
     }
     for (int v = 1; v < 8; ++v) {
       const __m256i wv = loadu256(P + 32 * v);
       for (int i = 0; i < MR; ++i) {
-        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(wv, bcast(xb + i * K + 4 * v)));
+        p[i] = dot_add(p[i], wv, bcast(xb + i * K + 4 * v));
         pin(p[i]);
       }
     }
@@ -282,16 +295,16 @@ void tile_q8(const QX& qx, int64_t m0, int64_t K, const uint8_t* panel, float* y
       const __m256i wl = loadu256(P), wh = loadu256(P + 256);
       for (int i = 0; i < MR; ++i) {
         const __m256i xv = bcast(xb + i * K);
-        pl[i] = _mm256_maddubs_epi16(wl, xv);
-        ph[i] = _mm256_maddubs_epi16(wh, xv);
+        pl[i] = dot_first(wl, xv);
+        ph[i] = dot_first(wh, xv);
       }
     }
     for (int v = 1; v < 8; ++v) {
       const __m256i wl = loadu256(P + 32 * v), wh = loadu256(P + 256 + 32 * v);
       for (int i = 0; i < MR; ++i) {
         const __m256i xv = bcast(xb + i * K + 4 * v);
-        pl[i] = _mm256_add_epi16(pl[i], _mm256_maddubs_epi16(wl, xv));
-        ph[i] = _mm256_add_epi16(ph[i], _mm256_maddubs_epi16(wh, xv));
+        pl[i] = dot_add(pl[i], wl, xv);
+        ph[i] = dot_add(ph[i], wh, xv);
         pin(pl[i]);
         pin(ph[i]);
       }
@@ -467,9 +480,9 @@ void tile_q4p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
     {
       const __m256i c = loadu256(P);
       const __m256i wl = _mm256_and_si256(c, lo), wh = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo);
-      for (int i = 0; i < MR; ++i) p[i] = _mm256_maddubs_epi16(wl, bcast(xb + i * K));
+      for (int i = 0; i < MR; ++i) p[i] = dot_first(wl, bcast(xb + i * K));
       for (int i = 0; i < MR; ++i) {
-        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(wh, bcast(xb + i * K + 16)));
+        p[i] = dot_add(p[i], wh, bcast(xb + i * K + 16));
         pin(p[i]);
       }
     }
@@ -477,11 +490,11 @@ void tile_q4p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
       const __m256i c = loadu256(P + 32 * t);
       const __m256i wl = _mm256_and_si256(c, lo), wh = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo);
       for (int i = 0; i < MR; ++i) {
-        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(wl, bcast(xb + i * K + 4 * t)));
+        p[i] = dot_add(p[i], wl, bcast(xb + i * K + 4 * t));
         pin(p[i]);
       }
       for (int i = 0; i < MR; ++i) {
-        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(wh, bcast(xb + i * K + 16 + 4 * t)));
+        p[i] = dot_add(p[i], wh, bcast(xb + i * K + 16 + 4 * t));
         pin(p[i]);
       }
     }
@@ -511,8 +524,8 @@ void tile_q8p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
       const __m256i wl = _mm256_and_si256(u, lo), wh = _mm256_and_si256(_mm256_srli_epi16(u, 4), lo);
       for (int i = 0; i < MR; ++i) {
         const __m256i xv = bcast(xb + i * K);
-        pl[i] = _mm256_maddubs_epi16(wl, xv);
-        ph[i] = _mm256_maddubs_epi16(wh, xv);
+        pl[i] = dot_first(wl, xv);
+        ph[i] = dot_first(wh, xv);
       }
     }
     for (int v = 1; v < 8; ++v) {
@@ -520,8 +533,8 @@ void tile_q8p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
       const __m256i wl = _mm256_and_si256(u, lo), wh = _mm256_and_si256(_mm256_srli_epi16(u, 4), lo);
       for (int i = 0; i < MR; ++i) {
         const __m256i xv = bcast(xb + i * K + 4 * v);
-        pl[i] = _mm256_add_epi16(pl[i], _mm256_maddubs_epi16(wl, xv));
-        ph[i] = _mm256_add_epi16(ph[i], _mm256_maddubs_epi16(wh, xv));
+        pl[i] = dot_add(pl[i], wl, xv);
+        ph[i] = dot_add(ph[i], wh, xv);
         pin(pl[i]);
         pin(ph[i]);
       }
