@@ -259,4 +259,6 @@ def plot(fig, result: dict) -> None:
     ax2.set_xticks(x, [f["format"] for f in fl])
     ax2.set_ylabel("output tok/s")
     ax2.legend(fontsize=7)
-    ax2.set_title("W1: ceiling at each format's GEMM path, floor at the cores' peak", fontsize=9)
+    ax2.set_title("W1 ceiling (GEMM path), floor (cores' peak)", fontsize=9)
+    for a in (ax, ax2):
+        a.tick_params(axis="x", labelsize=8, rotation=25)
