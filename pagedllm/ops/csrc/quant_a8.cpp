@@ -193,8 +193,10 @@ inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(ld32(reinterpre
 // products straight into int32, one instruction per 32 products. AVX2: VPMADDUBSW into int16 pairs (a block cannot
 // overflow them, see the top), then one VPMADDWD a block to int32. The same integers either way, hence the same bits.
 // Zen 4, the embedded model's four Q4_1 layer GEMMs on 2 threads: 1.22x faster at 8 rows, 1.28x at 36, 1.30-1.32x
-// from 64 to 1,024 (one row goes to the GEMV, unchanged).
+// from 64 to 1,024 (one row goes to the GEMV, unchanged). The direct Q8_0 tile takes w + 128 whole there (tile_q8p):
+// the tied LM head's GEMM [49152 x 576] 1.30-1.39x at 8-64 rows.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PAGEDLLM_A8_VNNI 1
 inline __m256i dot_first(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
 inline __m256i dot_add(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
 inline __m256i dot_sums(__m256i acc, int shift) { return _mm256_slli_epi32(acc, shift); }  // the sums << shift
@@ -238,14 +240,14 @@ inline void q4_block_sums(const QX& qx, int64_t m0, int64_t KB, int64_t b, const
 }
 
 // The same for Q8_0 stored as w + 128 in low (pl) and high (ph) nibble planes: (sum pl + 16 sum ph - 128 sum q_x)
-// * d_w * d_x.
+// * d_w * d_x; ph null: pl holds the sums of w + 128 whole (VNNI).
 template <int MR>
 inline void q8_block_sums(const QX& qx, int64_t m0, int64_t KB, int64_t b, const __m256i* pl, const __m256i* ph,
                           __m256 dw, __m256* acc) {
   for (int i = 0; i < MR; ++i) {
     const int64_t r = (m0 + i) * KB + b;
-    const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(dot_sums(pl[i], 0), dot_sums(ph[i], 4)),
-                                       _mm256_set1_epi32(128 * qx.c[r]));
+    const __m256i sums = ph ? _mm256_add_epi32(dot_sums(pl[i], 0), dot_sums(ph[i], 4)) : dot_sums(pl[i], 0);
+    const __m256i s = _mm256_sub_epi32(sums, _mm256_set1_epi32(128 * qx.c[r]));
     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(qx.d[r])), acc[i]);
   }
 }
@@ -510,7 +512,7 @@ void tile_q8p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
               const uint8_t* next) {
   const int64_t KB = K / 32;
   const uint8_t* S = g + KB * Packed<kQ8_0>::kW;
-  const __m256i lo = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i lo = _mm256_set1_epi8(0x0F);
   __m256 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   const int8_t* xq = qx.q + m0 * K;
@@ -518,6 +520,20 @@ void tile_q8p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
     prefetch_part(next, b, Packed<kQ8_0>::kW + Packed<kQ8_0>::kS);
     const uint8_t* P = g + b * 256;
     const int8_t* xb = xq + 32 * b;
+    const __m256 dw = _mm256_cvtph_ps(loadu128(S + 16 * b));
+#ifdef PAGEDLLM_A8_VNNI
+    // VPDPBUSD takes w + 128 whole (no 16-bit pairs to keep from overflowing): one product per weight, not two,
+    // and sum (w + 128) q_x - 128 sum q_x is the same integer as the two planes give
+    __m256i p[MR];
+    for (int v = 0; v < 8; ++v) {
+      const __m256i u = loadu256(P + 32 * v);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv = bcast(xb + i * K + 4 * v);
+        p[i] = v == 0 ? dot_first(u, xv) : dot_add(p[i], u, xv);
+      }
+    }
+    q8_block_sums<MR>(qx, m0, KB, b, p, nullptr, dw, acc);
+#else
     __m256i pl[MR], ph[MR];
     {
       const __m256i u = loadu256(P);
@@ -539,8 +555,8 @@ void tile_q8p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
         pin(ph[i]);
       }
     }
-    const __m256 dw = _mm256_cvtph_ps(loadu128(S + 16 * b));
     q8_block_sums<MR>(qx, m0, KB, b, pl, ph, dw, acc);
+#endif
   }
   for (int i = 0; i < MR; ++i) store_out(y + i * ldy, acc[i], bias, nr);
 }
