@@ -133,4 +133,3 @@ def instruction_peaks(budget_s: float = 0.2) -> list[GemmPath]:
                                budget_s=budget_s)
         out.append(GemmPath(f"{name}, instruction peak", family, flops.item() / seconds / 1e9))
     return sorted(out, key=lambda p: -p.gflops)
-
