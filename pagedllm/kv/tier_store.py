@@ -8,8 +8,9 @@ and ``close`` saves what L2 still holds, so a restart finds every block. (Write-
 design, serialised, checksummed and wrote every demoted block while the model ran on the same cores:
 L2 + L3 answered returning turns 19% slower than L2 alone; bench/README.md, tiers.) Without L2 every
 demoted block goes to disk. A crash loses what only L2 held; nothing wrong is ever served. ``locate`` says which tier holds each
-block of a chain; ``load_host`` returns an L2 run at once; ``load_disk`` reads an L3 run on a read
-thread and returns a future, so a request waiting for its blocks does not stall the step.
+block of a chain (a block whose store is still queued is waited for, not missed); ``load_host`` returns an L2 run
+at once; ``load_disk`` reads an L3 run on a read thread and returns a future, so a request waiting for its blocks
+does not stall the step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,10 @@ class TierStore:
         # promotions read on their own threads: a request waiting for its blocks never queues behind demotions
         self._reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tier-read")
         self._writes: list[Future] = []
+        # hash -> the store still on the copy thread: a lookup of a block the pool just evicted waits for it instead
+        # of missing it (a busy machine's copy thread lags; a miss recomputes the block)
+        self._storing: dict[int, Future] = {}
+        self._storing_lock = threading.Lock()
         self.read_seconds_per_block: float | None = None  # moving average over disk reads (read thread)
         self._closed = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -76,8 +81,17 @@ class TierStore:
             return
         data, ready = self._to_host(data)
         self._writes = [f for f in self._writes if not f.done()]
-        self._writes.append(self._io.submit(self._store, list(hashes), list(tokens), list(depths), list(hits),
-                                            data, ready))
+        fut = self._io.submit(self._store, list(hashes), list(tokens), list(depths), list(hits), data, ready)
+        self._writes.append(fut)
+        with self._storing_lock:
+            self._storing.update((h, fut) for h in hashes)
+        fut.add_done_callback(lambda f, hs=list(hashes): self._stored(hs, f))
+
+    def _stored(self, hashes: list[int], fut: Future) -> None:
+        with self._storing_lock:
+            for h in hashes:
+                if self._storing.get(h) is fut:  # (a later demotion of the same block keeps its own)
+                    del self._storing[h]
 
     def _to_host(self, data: BlockData) -> tuple[BlockData, torch.cuda.Event | None]:
         """Device tensors to host memory: on CUDA a pinned copy on the side stream, after the gather the
@@ -134,7 +148,12 @@ class TierStore:
 
     def find(self, block_hash: int, tokens: tuple[int, ...]) -> str | None:
         """Which tier holds one block ("host" first, else "disk"), or None; not counted in the lookup stats
-        (``locate`` counts blocks of a chain; a tail is probed at up to ``block_size - 1`` lengths)."""
+        (``locate`` counts blocks of a chain; a tail is probed at up to ``block_size - 1`` lengths). A block still
+        on its way down (its store queued on the copy thread) is waited for."""
+        with self._storing_lock:
+            storing = self._storing.get(block_hash)
+        if storing is not None:
+            wait([storing])  # (a store that failed raises at flush; the lookup answers from what the tiers hold)
         if self.host is not None and self.host.contains(block_hash, tokens):
             return "host"
         return "disk" if self.disk is not None and self.disk.contains(block_hash) else None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -197,3 +200,30 @@ def test_tiers_need_the_worker_in_the_core_process():
 
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         build_tiers(EngineArgs(kv_offload_memory=1 << 20), None, None)
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_a_block_still_on_its_way_down_is_waited_for_not_missed(tmp_path, monkeypatch, where):
+    """A lookup right after an eviction, while the copy thread still holds the store (a busy machine's copy
+    thread lags): the blocks are found and promoted intact, not recomputed."""
+    m, kv, store = make_tiers(num_blocks=8, host_slots=16 if where == "host" else 0,
+                              disk_path=str(tmp_path) if where == "disk" else None)
+    tokens = prompt(9, 3)
+    data = fill(m, kv, 1, tokens)
+    real, started = store._store, threading.Event()
+
+    def slow_store(*a):
+        started.set()
+        time.sleep(0.3)
+        real(*a)
+
+    monkeypatch.setattr(store, "_store", slow_store)
+    assert m.allocate_slots(999, 0, m.num_blocks * BS)  # evicts the three cached blocks: their store is queued
+    m.take_pending_copies()
+    m.free(999)
+    assert started.wait(5) and len(store._storing) == 3  # the store is running, not done
+    m.prefetch(tokens, wait=True)  # (before the stores were waited for: nothing located, nothing landed)
+    n, got = pool_kv(m, kv, tokens)
+    assert n == 3 and torch.equal(got, data)
+    assert not store._storing  # done stores are forgotten
+    m.check_integrity()
