@@ -149,7 +149,7 @@ def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: di
                      "gemm_path": path.name if path else None, "gemm_gflops": path.gflops if path else None,
                      "w1_tok_s": out_tokens / gemm_s if path else None,
                      "w1_kv_tok_s": out_tokens / (gemm_s + kv_s) if path else None,
-                     "peak_gflops": peak.gflops if peak else None,
+                     "peak_gflops": peak.gflops if peak else None, "floor_gflops": top or None,
                      "w1_peak_tok_s": out_tokens / (flops / (top * 1e9) + kv_s) if top else None})
     return rows
 

@@ -240,7 +240,7 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
         if ceiling.get("w1_peak_tok_s"):
             rows.append([f"roofline: W1 floor at the cores' peak, {fmt}", None, ceiling["w1_peak_tok_s"], None, None,
                          None, 100 * ceiling["w1_peak_tok_s"] / ceiling["w1_tok_s"],
-                         f"W1's FLOPs at {max(ceiling['peak_gflops'] or 0, ceiling['gemm_gflops']):.0f} GFLOP/s (the "
+                         f"W1's FLOPs at {ceiling['floor_gflops']:.0f} GFLOP/s (the "
                          "instruction peak where it beats the GEMM path) plus its decode K/V reads at the measured "
                          "bandwidth: no engine passes it on this CPU"])
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)

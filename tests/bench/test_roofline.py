@@ -75,6 +75,7 @@ def test_floors_divide_bandwidth_by_bytes_and_flops_by_the_formats_path(shape):
     # the cores' peak: fp32 FMAs bound the exact GGUF path too; a peak below the best path leaves the path's figure
     peaks = [GemmPath("fma", "fp32", 80.0), GemmPath("vdp", "bf16", 400.0), GemmPath("vnni", "int8", 150.0)]
     rows = {r["format"]: r for r in roofline.floors(shape, {"read": 1e10}, paths, w, peaks)}
+    assert rows["fp32"]["floor_gflops"] == 100.0 and rows["gguf"]["floor_gflops"] == 80.0
     assert rows["gguf"]["peak_gflops"] == 80.0 and rows["gguf"]["w1_peak_tok_s"] == pytest.approx(outs / (flops / 80e9
                                                                                                          + kv_s))
     assert rows["fp32"]["w1_peak_tok_s"] == pytest.approx(outs / (flops / 100e9 + kv_s))  # path 100 > peak 80

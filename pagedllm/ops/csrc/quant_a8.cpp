@@ -512,7 +512,6 @@ void tile_q8p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
               const uint8_t* next) {
   const int64_t KB = K / 32;
   const uint8_t* S = g + KB * Packed<kQ8_0>::kW;
-  [[maybe_unused]] const __m256i lo = _mm256_set1_epi8(0x0F);
   __m256 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   const int8_t* xq = qx.q + m0 * K;
@@ -525,15 +524,14 @@ void tile_q8p(const QX& qx, int64_t m0, int64_t K, const uint8_t* g, float* y, i
     // VPDPBUSD takes w + 128 whole (no 16-bit pairs to keep from overflowing): one product per weight, not two,
     // and sum (w + 128) q_x - 128 sum q_x is the same integer as the two planes give
     __m256i p[MR];
+    for (int i = 0; i < MR; ++i) p[i] = _mm256_setzero_si256();
     for (int v = 0; v < 8; ++v) {
       const __m256i u = loadu256(P + 32 * v);
-      for (int i = 0; i < MR; ++i) {
-        const __m256i xv = bcast(xb + i * K + 4 * v);
-        p[i] = v == 0 ? dot_first(u, xv) : dot_add(p[i], u, xv);
-      }
+      for (int i = 0; i < MR; ++i) p[i] = dot_add(p[i], u, bcast(xb + i * K + 4 * v));
     }
     q8_block_sums<MR>(qx, m0, KB, b, p, nullptr, dw, acc);
 #else
+    const __m256i lo = _mm256_set1_epi8(0x0F);
     __m256i pl[MR], ph[MR];
     {
       const __m256i u = loadu256(P);
