@@ -194,6 +194,18 @@ def test_disconnect_mid_stream_frees_blocks(server, model):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_frees_blocks(server, model):
+    """A non-streaming request sends nothing until it ends: only the server's clock tick finds the client gone."""
+    before = metrics(server)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(server), timeout=0.3)
+    after = wait_idle(server)
+    assert after["pagedllm_request_aborted_total"] == before["pagedllm_request_aborted_total"] + 1
+    assert after["pagedllm_generation_tokens_total"] - before["pagedllm_generation_tokens_total"] < 900
+    asyncio.run(server.engine.check_integrity())
+
+
 def test_metrics(server, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
     m = wait_idle(server)
