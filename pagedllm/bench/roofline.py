@@ -14,6 +14,7 @@ that runs (ours, oneDNN/MKL through torch, bf16, int8). From those and the model
 * W1 floor at the cores' peak = the floor with KV reads, its FLOPs at the instruction peak of the format's
   arithmetic (``ops/csrc/peak.cpp``: FMA for fp32 and the exact GGUF path, VDPBF16PS or AMX tiles for bf16,
   VPDPBUSD for int8) where that beats the best GEMM path: the hardware's bound, not a library's.
+  ``bench serve`` takes the same floor for its loads' own requests (:func:`load_floor_tok_s`).
 
 A measured tok/s at or near its ceiling cannot go faster on this machine in that format; the gap to the ceiling is
 what the engine's own overheads cost.
@@ -96,26 +97,38 @@ def model_shape(model: str | None = None) -> ModelShape:
     return ModelShape(config, sizes, qtypes)
 
 
-def workload_flops(shape: ModelShape, w: dict) -> tuple[float, float]:
-    """Expected (FLOPs, output tokens) per request of a workload with uniform prompt and output lengths: each
-    prompt token and each output token but the last goes through the layers, each output token through the LM
-    head, and the token at position t attends to t + 1 keys (QK and PV: 4 * heads * head_dim per key)."""
+def request_flops(shape: ModelShape, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """FLOPs of requests with these prompt and output lengths: each prompt token and each output token but the last
+    goes through the layers, each output token through the LM head, and the token at position t attends to t + 1
+    keys (QK and PV: 4 * heads * head_dim per key)."""
     c = shape.config
+    tokens = prompt + output - 1
+    attn = 4.0 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
+    return 2.0 * shape.layer_params() * tokens + 2.0 * shape.head_params() * output + attn
+
+
+def request_decode_keys(prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """Keys the decode steps of requests with these lengths read in one layer: the output tokens fed back (all but
+    the last; the first comes from the prefill) sit at positions p .. p + o - 2 and each reads its t + 1 keys."""
+    return (output - 1) * (2 * prompt + output) / 2  # sum of j for j in p + 1 .. p + o - 1
+
+
+def _length_grid(w: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Every (prompt, output) pair of a workload with uniform lengths, as broadcastable columns and rows."""
     p = np.arange(w["prompt_range"][0], w["prompt_range"][1] + 1, dtype=np.float64)[:, None]
     o = np.arange(w["output_range"][0], w["output_range"][1] + 1, dtype=np.float64)[None, :]
-    tokens = p + o - 1
-    attn = 4.0 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
-    flops = 2.0 * shape.layer_params() * tokens + 2.0 * shape.head_params() * o + attn
-    return float(flops.mean()), float(np.broadcast_to(o, tokens.shape).mean())
+    return p, o
+
+
+def workload_flops(shape: ModelShape, w: dict) -> tuple[float, float]:
+    """Expected (FLOPs, output tokens) per request of a workload with uniform prompt and output lengths."""
+    p, o = _length_grid(w)
+    return float(request_flops(shape, p, o).mean()), float(np.broadcast_to(o, (p.size, o.size)).mean())
 
 
 def workload_decode_keys(w: dict) -> float:
-    """Expected keys a request's decode steps read in one layer: the output tokens fed back (all but the last;
-    the first comes from the prefill) sit at positions p .. p + o - 2 and each reads its t + 1 keys."""
-    p = np.arange(w["prompt_range"][0], w["prompt_range"][1] + 1, dtype=np.float64)[:, None]
-    o = np.arange(w["output_range"][0], w["output_range"][1] + 1, dtype=np.float64)[None, :]
-    # sum of j for j in p + 1 .. p + o - 1
-    return float(((o - 1) * (2 * p + o) / 2).mean())
+    """Expected keys a request's decode steps read in one layer."""
+    return float(request_decode_keys(*_length_grid(w)).mean())
 
 
 def kv_bytes_per_key(shape: ModelShape, fmt: str) -> int:
@@ -179,6 +192,21 @@ def format_of(dtype: torch.dtype, quantization: str) -> str:
 
 def floor_for(result: dict, fmt: str) -> dict | None:
     return next((f for f in result["floors"] if f["format"] == fmt), None)
+
+
+def load_floor_tok_s(result: dict, fmt: str, prompts: list[int], outputs: list[int],
+                     model: str | None = None) -> float | None:
+    """The floor at the cores' peak of any load of these requests in ``fmt`` (a roofline ``result`` of this CPU):
+    their output tokens over their FLOPs at the rate W1's floor used plus their decode K/V reads at the read
+    bandwidth (arrivals left out: a light load's bound is its arrival ceiling). None without that rate."""
+    f = floor_for(result, fmt)
+    if not f or not f.get("floor_gflops") or not prompts:
+        return None
+    shape = model_shape(model)
+    p, o = np.asarray(prompts, dtype=np.float64), np.asarray(outputs, dtype=np.float64)
+    seconds = (request_flops(shape, p, o).sum() / (f["floor_gflops"] * 1e9)
+               + request_decode_keys(p, o).sum() * kv_bytes_per_key(shape, fmt) / result["bandwidth_Bps"]["read"])
+    return float(o.sum() / seconds)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -61,3 +61,32 @@ def stop_server(proc: subprocess.Popen | None) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
+
+
+def cpu_seconds(proc: subprocess.Popen) -> dict[int, float] | None:
+    """CPU seconds (user + system) so far of the server process and each of its descendants (its engine core, its
+    workers), by pid; None without psutil (the CPU columns are then left out, and the report says so)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+        except psutil.NoSuchProcess:  # ended while we looked
+            continue
+    return out
+
+
+def cpu_split(root_pid: int, before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds between two :func:`cpu_seconds` looks: the server process itself (the HTTP front end) and its
+    descendants (the engine); a process that started in between counts from zero."""
+    used = {pid: t - before.get(pid, 0.0) for pid, t in after.items()}
+    return {"front_end": used.pop(root_pid, 0.0), "engine": sum(used.values())}

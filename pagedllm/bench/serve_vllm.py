@@ -9,6 +9,11 @@ is no prefix-cache replay of the first. Never both servers at once (2 cores): pe
 up, serves every rate, and stops; the other follows; the order alternates across rounds (ours first in even rounds).
 ``--quick`` (the CI smoke test; CI has no vLLM) runs our server only on a tiny workload.
 
+Beside the timings: each load's bounds (the arrival ceiling, and its requests' floor at the cores' peak from a
+roofline measured in the run, unless ``--no-roofline``), and the CPU seconds of each server's HTTP process, its
+engine and this client while a rate is served. On a machine whose cores all run the engine's threads, the others'
+CPU time is time the engine's thread team stalls.
+
 Dtypes as in ``bench throughput``: our server gets ``--dtype`` as given, so ``auto`` runs what our ``auto`` picks
 (on a CPU with native bf16 and a GGUF model: ``gguf-bf16``, bf16 GEMMs from 8 rows on, a bf16 KV pool and decode
 steps of fewer rows from the exact blocks), and vLLM gets the dtype ``auto`` resolves to (bf16 there), its own
@@ -22,6 +27,7 @@ import argparse
 import asyncio
 import os
 import random
+import resource
 import statistics
 import sys
 
@@ -29,6 +35,8 @@ from pagedllm.bench.common import ratio
 from pagedllm.bench.report import Report, Table
 from pagedllm.bench.serve_http import drive
 from pagedllm.bench.serve_procs import (
+    cpu_seconds,
+    cpu_split,
     free_port,
     launch,
     pagedllm_serve_command,
@@ -42,6 +50,7 @@ OURS, VLLM = "pagedllm serve", "vLLM CPU serve"
 SERVED_NAME = "smollm2"
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 SPLIT = ("client", "ttft", "before_core", "queue", "prefill", "outside")  # serve_split.split's means, ms
+CPU_PARTS = ("front_end", "engine", "client")  # CPU seconds while a rate is served (serve_procs.cpu_split)
 SAMPLING = {"greedy": GREEDY, "chat": CHAT_SAMPLING}  # --sampling -> the completions' sampling fields
 
 
@@ -55,6 +64,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", default=None, help="with --baselines vllm: prompt tokens LO-HI (default 32-512)")
     p.add_argument("--output-range", default=None, help="with --baselines vllm: output tokens LO-HI (default 16-256)")
     p.add_argument("--max-model-len", type=int, default=2048, help="with --baselines vllm: both servers' limit")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="with --baselines vllm: skip measuring this CPU's roofline (~10 s) for each load's floor")
     p.add_argument("--sampling", choices=tuple(SAMPLING), default="greedy",
                    help="with --baselines vllm: the requests' sampling fields: greedy (default), or chat: "
                         + ", ".join(f"{k} {v}" for k, v in SAMPLING["chat"].items()))
@@ -161,17 +172,37 @@ def serve_round(system: str, args, cfg: dict, dtype: str, vllm_py: str | None, l
     try:
         asyncio.run(drive(url, SERVED_NAME, warm, [0.0] * len(warm)))
         for k, (reqs, arrivals) in enumerate(loads):
-            before = scrape(url)
+            before, cpu0, client0 = scrape(url), cpu_seconds(proc), client_cpu_s()
             results, wall = asyncio.run(drive(url, SERVED_NAME, reqs, arrivals, sampling=SAMPLING[cfg["sampling"]]))
+            cpu1, client = cpu_seconds(proc), client_cpu_s() - client0
             stats = summarize(results, wall, {})
+            cpu = None if cpu0 is None else {**cpu_split(proc.pid, cpu0, cpu1), "client": client}
             out.append({"system": system, "rate": cfg["rates"][k], "load": os.getloadavg()[0], **stats,
-                        "split": split(before, scrape(url), stats["ttft_s"])})
+                        "split": split(before, scrape(url), stats["ttft_s"]), "cpu": cpu})
             a = out[-1]["all"]
             print(f"  {cfg['rates'][k]} req/s: {out[-1]['tok_s']:.1f} out tok/s, TTFT p50 {a['ttft_p50'] or 0:.0f} ms, "
                   f"p99 {a['ttft_p99'] or 0:.0f} ms, {out[-1]['failed']} failed", file=sys.stderr, flush=True)
     finally:
         stop_server(proc)
     return out
+
+
+def client_cpu_s() -> float:
+    """CPU seconds of this process so far: the load generator's (every thread), which shares the cores too."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def load_floors(cfg: dict, loads: list, fmt: str, quick: bool) -> dict[str, float | None]:
+    """Per rate: the floor at the cores' peak of its requests in ``fmt`` (``bench roofline``'s rates, measured
+    here; prompts and outputs as sent: ``ignore_eos`` makes every output its ``max_tokens``)."""
+    from pagedllm.bench import roofline
+
+    print("bench serve: measuring this CPU's roofline...", file=sys.stderr, flush=True)
+    roof = roofline.measure(quick)
+    return {str(rate): roofline.load_floor_tok_s(roof, fmt, [len(r.prompt_ids) for r in reqs],
+                                                 [r.max_tokens for r in reqs])
+            for rate, (reqs, _) in zip(cfg["rates"], loads)}
 
 
 def run(args) -> Report:
@@ -185,6 +216,8 @@ def run(args) -> Report:
     tokenizer = load_tokenizer()
     loads = [workload(tokenizer, cfg, k, args.seed) for k in range(len(cfg["rates"]))]
     cfg["ceilings"] = {str(rate): arrival_ceiling(*load) for rate, load in zip(cfg["rates"], loads)}
+    ours = ours_format(args)
+    cfg["floors"] = {} if args.no_roofline else load_floors(cfg, loads, ours, args.quick)
     warm = random_requests(tokenizer, 2, (16, 48), (4, 4), args.seed + 7)
     vllm_py = None if args.quick else vllm_python()
     systems = [OURS] + ([VLLM] if vllm_py else [])
@@ -194,7 +227,7 @@ def run(args) -> Report:
             runs += [{**r, "round": rnd} for r in serve_round(system, args, cfg, dtype, vllm_py, loads, warm)]
     why_not = ("--quick runs our server only" if args.quick else None if vllm_py else
                "vLLM CPU not installed (set PAGEDLLM_VLLM_PYTHON=/opt/vllm-venv/bin/python)")
-    return report(runs, cfg, dtype, why_not, f"--dtype {args.dtype}: {ours_format(args)}")
+    return report(runs, cfg, dtype, why_not, f"--dtype {args.dtype}: {ours}")
 
 
 def metric(run: dict, m: str) -> float | None:
@@ -214,6 +247,8 @@ def means(runs: list[dict]) -> dict:
             out.setdefault(r["system"], {}).setdefault(str(r["rate"]), []).append(r)
     return {s: {rate: {**{m: mean(metric(x, m) for x in rs) for m in METRICS},
                        "split": {p: mean(x["split"][p] for x in rs if "split" in x) for p in SPLIT},
+                       "cpu": {p: mean(x["cpu"][p] for x in rs if x.get("cpu")) for p in CPU_PARTS},
+                       "wall_s": mean(x.get("wall_s") for x in rs),
                        "completed": sum(x["completed"] for x in rs), "failed": sum(x["failed"] for x in rs)}
                 for rate, rs in by_rate.items()} for s, by_rate in out.items()}
 
@@ -239,6 +274,18 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
                         [[rate, s, *(avg[s][rate]["split"][p] for p in SPLIT)] for rate in map(str, cfg["rates"])
                          for s in (OURS, VLLM) if rate in avg.get(s, {})],
                         "Where a first token's time goes (means, ms; the servers' /metrics)", 1))
+    floors = cfg.get("floors") or {}
+    if any(floors.values()):
+        tables.append(Table(["req/s", "arrival ceiling", "floor at the cores' peak", "1.5x vLLM", "1.5x vLLM / floor",
+                             "pagedllm / floor", "vLLM / floor"],
+                            [floor_row(rate, cfg, avg) for rate in map(str, cfg["rates"]) if floors.get(rate)],
+                            "Each load's bounds (out tok/s): no server beats either", 2))
+    cpu_rows = [[rate, s, *(avg[s][rate]["cpu"][p] for p in CPU_PARTS), avg[s][rate]["wall_s"]]
+                for rate in map(str, cfg["rates"]) for s in (OURS, VLLM)
+                if rate in avg.get(s, {}) and avg[s][rate]["cpu"]["engine"] is not None]
+    if cpu_rows:
+        tables.append(Table(["req/s", "system", "front end CPU s", "engine CPU s", "client CPU s", "wall s"], cpu_rows,
+                            "CPU seconds while each rate is served (means)", 1))
     tables.append(Table(["round", "req/s", "system", "load", "out tok/s", "TTFT p50 ms", "TTFT p99 ms"],
                         [[r["round"], str(r["rate"]), r["system"], r["load"], r["tok_s"], r["all"]["ttft_p50"],
                           r["all"]["ttft_p99"]] for r in runs if "skipped" not in r], "Per round, in run order", 1))
@@ -258,6 +305,17 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
              "before core (-> its core takes the request in; ours stamps arrival there) + queue (-> first "
              "scheduled) + prefill (-> first token); outside server = client TTFT - server TTFT (HTTP, parsing, "
              "tokenizing, the first token's hand-back, detokenizing, SSE)."]
+    if any(floors.values()):
+        notes.append("Floor at the cores' peak: the rate's requests' FLOPs at this CPU's instruction peak for our "
+                     "format's arithmetic (or its best GEMM path, where faster) plus their decode K/V reads at the "
+                     "read bandwidth (bench roofline, measured in this run); no norms, sampling, scheduling, HTTP.")
+    if cpu_rows:
+        notes.append("CPU seconds: the server's own process (HTTP, tokenizing, detokenizing, SSE), its descendants "
+                     "(the engine core), and this bench's client, from the send of the first request to the end of "
+                     "the last. On a machine whose cores all run the engine's threads, any other process's CPU "
+                     "time stalls the engine's thread team for about as long.")
+    elif runs and not any("skipped" in r for r in runs):
+        notes.append("CPU seconds not measured: psutil is not installed")
     notes += [f"{r['system']} round {r['round']}: not run: {r['skipped']}" for r in runs if "skipped" in r]
     if why_not:
         notes.append(f"vLLM not run: {why_not}")
@@ -267,6 +325,15 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
     res = {"mode": "vllm", "dtype": dtype, "ours": ours, **cfg, "runs": runs, "mean": avg,
            "ratios": {r[0]: dict(zip((*METRICS, "ceiling"), r[1:])) for r in ratio_rows}}
     return Report("serve", "Serving: pagedllm serve vs vLLM's CPU server under Poisson load", notes, tables, res)
+
+
+def floor_row(rate: str, cfg: dict, avg: dict) -> list:
+    """A rate's bounds and how near each server and the 1.5x target come to its floor."""
+    floor = cfg["floors"][rate]
+    ours, vllm = (avg.get(s, {}).get(rate, {}).get("tok_s") for s in (OURS, VLLM))
+    target = 1.5 * vllm if vllm else None
+    return [rate, cfg.get("ceilings", {}).get(rate), floor, target, ratio(target, floor), ratio(ours, floor),
+            ratio(vllm, floor)]
 
 
 def plot(fig, result: dict) -> None:

@@ -36,6 +36,14 @@ def test_quick_runs_our_server_at_both_rates_and_writes_the_report(tmp_path, cap
     assert any("vLLM not run: --quick" in n for n in data["notes"])
     assert [t["title"] for t in data["tables"]][0].startswith("Serving under Poisson load")
     assert any(t["title"].startswith("Where a first token's time goes") for t in data["tables"])
+    # each load's floor at the cores' peak (a quick roofline, measured in the run) bounds what the server did
+    for rate, r in zip(("2.0", "16.0"), res["runs"]):
+        assert res["floors"][rate] > r["tok_s"]
+        # CPU seconds: the server's HTTP process, its engine core process and this client all worked
+        assert r["cpu"]["front_end"] > 0 and r["cpu"]["engine"] > 0 and r["cpu"]["client"] > 0
+    titles = [t["title"] for t in data["tables"]]
+    assert "Each load's bounds (out tok/s): no server beats either" in titles
+    assert "CPU seconds while each rate is served (means)" in titles
 
 
 def test_split_means_between_two_scrapes():
@@ -101,7 +109,7 @@ def test_rounds_alternate_which_server_goes_first(tmp_path, monkeypatch):
     monkeypatch.setattr(baselines, "vllm_python", lambda: "/opt/venv/bin/python")
     monkeypatch.setattr(serve_vllm, "serve_round", fake_round)
     args = build_parser().parse_args(["serve", "--baselines", "vllm", "--num-requests", "2", "--rounds", "3",
-                                      "--out", str(tmp_path)])
+                                      "--no-roofline", "--out", str(tmp_path)])
     args.engine_args = {}
     rep = serve_vllm.run(args)
     assert order == [OURS, VLLM, VLLM, OURS, OURS, VLLM]
@@ -129,6 +137,28 @@ def test_report_means_rounds_and_divides_ours_by_vllms():
     assert any("round 2: not run: server exited" in n for n in rep.notes)
     assert any("vLLM dtype float32, ours --dtype float32: gguf" in n for n in rep.notes)
     assert [t.title for t in rep.tables][1].startswith("pagedllm / vLLM")
+    assert not any(t.title.startswith("Each load's bounds") for t in rep.tables)  # no roofline measured
+
+
+def test_report_sets_each_server_against_its_loads_floor_and_counts_cpu_seconds():
+    cpu = {"front_end": 1.5, "engine": 40.0, "client": 1.0}
+    runs = [{**_run(OURS, 16.0, 0, 350.0, 100.0), "cpu": cpu, "wall_s": 22.0},
+            {**_run(VLLM, 16.0, 0, 280.0, 100.0), "cpu": {**cpu, "front_end": 3.0}, "wall_s": 26.0}]
+    cfg = {"num_requests": 4, "rates": [16.0], "rounds": 1, "prompt_len": (32, 512), "output_len": (16, 256),
+           "ceilings": {"16.0": 2000.0}, "floors": {"16.0": 560.0}}
+    rep = serve_vllm.report(runs, cfg, "bfloat16", None, "--dtype auto: gguf-bf16")
+    (bounds,) = [t for t in rep.tables if t.title.startswith("Each load's bounds")]
+    assert bounds.rows == [["16.0", 2000.0, 560.0, 420.0, 0.75, 0.625, 0.5]]  # 1.5 x 280 = 420 = 75% of the floor
+    (cpus,) = [t for t in rep.tables if t.title.startswith("CPU seconds")]
+    assert cpus.rows == [["16.0", OURS, 1.5, 40.0, 1.0, 22.0], ["16.0", VLLM, 3.0, 40.0, 1.0, 26.0]]
+
+
+def test_cpu_split_counts_the_server_apart_from_its_descendants():
+    from pagedllm.bench.serve_procs import cpu_split
+
+    before = {10: 1.0, 11: 5.0}
+    after = {10: 2.5, 11: 9.0, 12: 0.5}  # 12: a worker started in between
+    assert cpu_split(10, before, after) == {"front_end": 1.5, "engine": 4.5}
 
 
 def test_arrival_ceiling_is_the_loads_tokens_over_its_last_arrival():

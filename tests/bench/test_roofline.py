@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +86,25 @@ def test_floors_divide_bandwidth_by_bytes_and_flops_by_the_formats_path(shape):
         outs / (flops / 400e9 + kv16))
     no_blocks = roofline.ModelShape(shape.config, {}, {})
     assert [r["format"] for r in roofline.floors(no_blocks, {"read": 1e10}, paths, w)] == ["fp32", "bf16"]
+
+
+def test_a_loads_floor_is_w1s_floor_when_its_requests_are_w1s_lengths(shape):
+    """bench serve's floor of a load of requests is the same arithmetic as W1's over the expected lengths: a load
+    holding every (prompt, output) pair once has W1's floor; doubling every output adds its FLOPs and K/V reads."""
+    w = {"prompt_range": (10, 13), "output_range": (4, 6)}
+    paths, peaks = [GemmPath("a", "bf16", 300.0)], [GemmPath("vdp", "bf16", 400.0)]
+    result = {"floors": roofline.floors(shape, {"read": 2e10}, paths, w, peaks), "bandwidth_Bps": {"read": 2e10}}
+    pairs = [(p, o) for p in range(10, 14) for o in range(4, 7)]
+    prompts, outputs = [p for p, _ in pairs], [o for _, o in pairs]
+    floor = roofline.load_floor_tok_s(result, "gguf-bf16", prompts, outputs)
+    assert floor == pytest.approx(roofline.floor_for(result, "gguf-bf16")["w1_peak_tok_s"])
+    longer = roofline.load_floor_tok_s(result, "gguf-bf16", prompts, [2 * o for o in outputs])
+    flops = roofline.request_flops(shape, np.array(prompts, float), np.array([2.0 * o for o in outputs])).sum()
+    keys = roofline.request_decode_keys(np.array(prompts, float), np.array([2.0 * o for o in outputs])).sum()
+    assert longer == pytest.approx(2 * sum(outputs) / (flops / 400e9 + keys * roofline.kv_bytes_per_key(
+        shape, "gguf-bf16") / 2e10))
+    assert roofline.load_floor_tok_s(result, "gguf", prompts, outputs) is None  # no fp32 rate measured
+    assert roofline.load_floor_tok_s(result, "gguf-bf16", [], []) is None
 
 
 @pytest.mark.skipif(not kernel_available(), reason="needs the C++ GEMM kernel (g++ with OpenMP)")
