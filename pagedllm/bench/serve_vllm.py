@@ -346,6 +346,12 @@ def plot(fig, result: dict) -> None:
         for j, s in enumerate(systems):
             ax.bar([x + (j - (len(systems) - 1) / 2) * w for x in range(len(rates))],
                    [result["mean"][s].get(r, {}).get(metric) or 0 for r in rates], w, label=s)
+        if metric == "tok_s":  # each load's bound: the lower of its arrival ceiling and its floor at the cores' peak
+            bound = [min(x for x in (result.get("ceilings", {}).get(r), result.get("floors", {}).get(r)) if x)
+                     if result.get("floors", {}).get(r) else None for r in rates]
+            xs = [x for x, b in enumerate(bound) if b]
+            if xs:
+                ax.scatter(xs, [bound[x] for x in xs], marker="_", s=900, color="black", label="load's bound")
         ax.set_xticks(range(len(rates)), [f"{r} req/s" for r in rates], fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=6)
