@@ -314,7 +314,7 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
                      "(the engine core), and this bench's client, from the send of the first request to the end of "
                      "the last. On a machine whose cores all run the engine's threads, any other process's CPU "
                      "time stalls the engine's thread team for about as long.")
-    elif runs and not any("skipped" in r for r in runs):
+    if any("skipped" not in r and r.get("cpu") is None for r in runs):
         notes.append("CPU seconds not measured: psutil is not installed")
     notes += [f"{r['system']} round {r['round']}: not run: {r['skipped']}" for r in runs if "skipped" in r]
     if why_not:

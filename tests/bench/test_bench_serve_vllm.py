@@ -138,6 +138,7 @@ def test_report_means_rounds_and_divides_ours_by_vllms():
     assert any("vLLM dtype float32, ours --dtype float32: gguf" in n for n in rep.notes)
     assert [t.title for t in rep.tables][1].startswith("pagedllm / vLLM")
     assert not any(t.title.startswith("Each load's bounds") for t in rep.tables)  # no roofline measured
+    assert any("psutil is not installed" in n for n in rep.notes)  # these runs carry no CPU seconds
 
 
 def test_report_sets_each_server_against_its_loads_floor_and_counts_cpu_seconds():
@@ -151,6 +152,7 @@ def test_report_sets_each_server_against_its_loads_floor_and_counts_cpu_seconds(
     assert bounds.rows == [["16.0", 2000.0, 560.0, 420.0, 0.75, 0.625, 0.5]]  # 1.5 x 280 = 420 = 75% of the floor
     (cpus,) = [t for t in rep.tables if t.title.startswith("CPU seconds")]
     assert cpus.rows == [["16.0", OURS, 1.5, 40.0, 1.0, 22.0], ["16.0", VLLM, 3.0, 40.0, 1.0, 26.0]]
+    assert not any("psutil" in n for n in rep.notes)
 
 
 def test_cpu_split_counts_the_server_apart_from_its_descendants():
