@@ -1,7 +1,7 @@
 """``pagedllm bench batch1``: batch-1 decode of the embedded model, each path of ours against the one it replaced and
 against llama.cpp on the same GGUF, in one process, the systems alternating round by round.
 
-Besides wall time it reports the process's CPU time per token (all threads, ``getrusage``): on a machine shared
+Besides wall time it reports the process's CPU time per token (all threads, ``time.process_time``): on a machine shared
 with other work the wall time of one run moves by 2x with the neighbours' load, while the CPU time a token costs
 moves far less, so the CPU-time ratios are what a loaded machine can still measure (spinning OpenMP threads count
 as CPU time: compare CPU times at one thread). Decode time per token = (time of 1 + N tokens - time of 1) / N, so
@@ -14,7 +14,6 @@ import argparse
 import importlib.util
 import os
 import random
-import resource
 import time
 from collections.abc import Callable
 
@@ -26,11 +25,6 @@ LLAMA_CPP = "llama.cpp (llama-cpp-python, same GGUF)"
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; quick 1)")
     p.add_argument("--decode-tokens", type=int, default=None, help="decode tokens per run (default 96; quick 4)")
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _systems(args) -> tuple[dict[str, Callable[[int], None]], list[str]]:
@@ -95,11 +89,11 @@ def _systems(args) -> tuple[dict[str, Callable[[int], None]], list[str]]:
 
 def _measure(generate: Callable[[int], None], n: int) -> tuple[float, float]:
     """(wall, CPU) ms per decode token."""
-    w0, c0 = time.perf_counter(), _cpu_s()
+    w0, c0 = time.perf_counter(), time.process_time()
     generate(1)
-    w1, c1 = time.perf_counter(), _cpu_s()
+    w1, c1 = time.perf_counter(), time.process_time()
     generate(n + 1)
-    w2, c2 = time.perf_counter(), _cpu_s()
+    w2, c2 = time.perf_counter(), time.process_time()
     return ((w2 - w1) - (w1 - w0)) / n * 1e3, ((c2 - c1) - (c1 - c0)) / n * 1e3
 
 

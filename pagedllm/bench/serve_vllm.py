@@ -27,9 +27,9 @@ import argparse
 import asyncio
 import os
 import random
-import resource
 import statistics
 import sys
+import time
 
 from pagedllm.bench.common import ratio
 from pagedllm.bench.report import Report, Table
@@ -172,9 +172,10 @@ def serve_round(system: str, args, cfg: dict, dtype: str, vllm_py: str | None, l
     try:
         asyncio.run(drive(url, SERVED_NAME, warm, [0.0] * len(warm)))
         for k, (reqs, arrivals) in enumerate(loads):
-            before, cpu0, client0 = scrape(url), cpu_seconds(proc), client_cpu_s()
+            # the client's CPU (this process, every thread): the load generator shares the cores too
+            before, cpu0, client0 = scrape(url), cpu_seconds(proc), time.process_time()
             results, wall = asyncio.run(drive(url, SERVED_NAME, reqs, arrivals, sampling=SAMPLING[cfg["sampling"]]))
-            cpu1, client = cpu_seconds(proc), client_cpu_s() - client0
+            cpu1, client = cpu_seconds(proc), time.process_time() - client0
             stats = summarize(results, wall, {})
             cpu = None if cpu0 is None else {**cpu_split(proc.pid, cpu0, cpu1), "client": client}
             out.append({"system": system, "rate": cfg["rates"][k], "load": os.getloadavg()[0], **stats,
@@ -185,12 +186,6 @@ def serve_round(system: str, args, cfg: dict, dtype: str, vllm_py: str | None, l
     finally:
         stop_server(proc)
     return out
-
-
-def client_cpu_s() -> float:
-    """CPU seconds of this process so far: the load generator's (every thread), which shares the cores too."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def load_floors(cfg: dict, loads: list, fmt: str, quick: bool) -> dict[str, float | None]:
@@ -336,6 +331,13 @@ def floor_row(rate: str, cfg: dict, avg: dict) -> list:
             ratio(vllm, floor)]
 
 
+def load_bound(result: dict, rate: str) -> float | None:
+    """The most out tok/s any server can show on a rate's load: the lower of its arrival ceiling and its floor at
+    the cores' peak (None without a floor)."""
+    floor, ceiling = result.get("floors", {}).get(rate), result.get("ceilings", {}).get(rate)
+    return min(floor, ceiling) if floor and ceiling else floor
+
+
 def plot(fig, result: dict) -> None:
     rates = [str(r) for r in result["rates"]]
     systems = [s for s in (OURS, VLLM) if s in result["mean"]]
@@ -346,12 +348,10 @@ def plot(fig, result: dict) -> None:
         for j, s in enumerate(systems):
             ax.bar([x + (j - (len(systems) - 1) / 2) * w for x in range(len(rates))],
                    [result["mean"][s].get(r, {}).get(metric) or 0 for r in rates], w, label=s)
-        if metric == "tok_s":  # each load's bound: the lower of its arrival ceiling and its floor at the cores' peak
-            bound = [min(x for x in (result.get("ceilings", {}).get(r), result.get("floors", {}).get(r)) if x)
-                     if result.get("floors", {}).get(r) else None for r in rates]
-            xs = [x for x, b in enumerate(bound) if b]
-            if xs:
-                ax.scatter(xs, [bound[x] for x in xs], marker="_", s=900, color="black", label="load's bound")
+        if metric == "tok_s":
+            bounds = [(x, b) for x, r in enumerate(rates) if (b := load_bound(result, r))]
+            if bounds:
+                ax.scatter(*zip(*bounds), marker="_", s=900, color="black", label="load's bound")
         ax.set_xticks(range(len(rates)), [f"{r} req/s" for r in rates], fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=6)

@@ -195,14 +195,15 @@ class OpenAIServing:
         unfinished = len(tasks)
         # the client is checked on a clock, not only when nothing comes (steady news would hide it): a tick joins
         # the queue every DISCONNECT_POLL_S, so an output costs a plain get, not a timed wait (a task and a timer)
-        tick = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, q.put_nowait, (-1, None))
+        loop = asyncio.get_running_loop()
+        tick = loop.call_later(DISCONNECT_POLL_S, q.put_nowait, (-1, None))
         try:
             while unfinished:
                 i, item = await q.get()
                 if item is None:
                     if await request.is_disconnected():
                         raise APIError(499, "client closed the request", type="client_closed_request")
-                    tick = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, q.put_nowait, (-1, None))
+                    tick = loop.call_later(DISCONNECT_POLL_S, q.put_nowait, (-1, None))
                     continue
                 if isinstance(item, Exception):
                     raise item

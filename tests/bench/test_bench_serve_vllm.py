@@ -153,6 +153,10 @@ def test_report_sets_each_server_against_its_loads_floor_and_counts_cpu_seconds(
     (cpus,) = [t for t in rep.tables if t.title.startswith("CPU seconds")]
     assert cpus.rows == [["16.0", OURS, 1.5, 40.0, 1.0, 22.0], ["16.0", VLLM, 3.0, 40.0, 1.0, 26.0]]
     assert not any("psutil" in n for n in rep.notes)
+    # the plot's bound: the lower of the arrival ceiling and the floor, none without a floor
+    assert serve_vllm.load_bound(cfg, "16.0") == 560.0
+    assert serve_vllm.load_bound({**cfg, "ceilings": {"16.0": 300.0}}, "16.0") == 300.0
+    assert serve_vllm.load_bound({**cfg, "floors": {}}, "16.0") is None
 
 
 def test_cpu_split_counts_the_server_apart_from_its_descendants():
