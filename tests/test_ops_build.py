@@ -32,6 +32,22 @@ def test_build_dir_follows_content_not_path(tmp_path):
     assert native.build_dir(name, copy) != native.build_dir(name, src)
 
 
+def test_the_isa_level_is_part_of_the_build(monkeypatch):
+    """PAGEDLLM_MARCH builds another ISA level into its own folder (its flags are in the key); what it was built on
+    is recorded as a native build's is, and only a portable build runs on any CPU."""
+    for var in ("PAGEDLLM_MARCH", "PAGEDLLM_NO_MARCH_NATIVE"):
+        monkeypatch.delenv(var, raising=False)
+    name, src = next(iter(native.kernel_sources().items()))
+    here = native.build_dir(name, src)
+    assert native.builds_native() and "-march=native" in native._flags()
+    monkeypatch.setenv("PAGEDLLM_MARCH", "x86-64-v3")
+    assert native._flags() == ["-O3", "-fopenmp", "-march=x86-64-v3"] and not native.builds_native()
+    assert native.build_dir(name, src) != here
+    assert native._built_for(src)["cpu_flags"] == sorted(native._cpu_flags().split())
+    monkeypatch.setenv("PAGEDLLM_NO_MARCH_NATIVE", "1")
+    assert native._flags() == ["-O3", "-fopenmp"] and native._built_for(src)["cpu_flags"] == []
+
+
 def test_build_all_covers_every_kernel_the_package_loads():
     loaded = set()
     for py in PKG.rglob("*.py"):

@@ -3,9 +3,9 @@
 Each kernel is one ``.cpp`` file under ``pagedllm/ops/csrc/`` (with the headers beside it), a library of torch
 custom ops (``torch.ops.pagedllm.<op>``; see :mod:`pagedllm.ops`), loaded into the process with
 ``torch.ops.load_library``. It is compiled on first use with ``-O3 -march=native -fopenmp`` (set
-``PAGEDLLM_NO_MARCH_NATIVE=1`` for a portable build). Builds are keyed by the source's and its headers'
-content, flags, torch version and the environment that links it (interpreter, prefix, the CPU's ISA flags),
-not its path: torch's JIT rebuilds whenever the source path in its build
+``PAGEDLLM_NO_MARCH_NATIVE=1`` for a portable build, ``PAGEDLLM_MARCH`` for another ISA level). Builds are keyed
+by the source's and its headers' content, flags, torch version and the environment that links it (interpreter,
+prefix, the CPU's ISA flags), not its path: torch's JIT rebuilds whenever the source path in its build
 file changes, so every checkout or reinstall of the package (or a switch between two of them) cost ~2
 minutes of compiling, some of it inside the first generation, and two environments sharing one folder
 rebuilt each other's kernels. The sources are copied to ``~/.cache/pagedllm/kernels/<name>_<hash>/``
@@ -48,11 +48,18 @@ _failed: dict[str, Exception] = {}
 _lock = threading.Lock()
 
 
+def _march() -> str | None:
+    """The ``-march`` the kernels are compiled for: ``PAGEDLLM_MARCH`` where set (``x86-64-v3``: the AVX2 + FMA
+    paths a Zen 3 runs, on a newer CPU; ``tests/ops/test_isa_levels.py`` compares them with the native build's,
+    which the rest of the suite assumes), else ``native``; none with ``PAGEDLLM_NO_MARCH_NATIVE=1`` (portable)."""
+    if os.environ.get("PAGEDLLM_NO_MARCH_NATIVE") == "1":
+        return None
+    return os.environ.get("PAGEDLLM_MARCH") or "native"
+
+
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]
-    if os.environ.get("PAGEDLLM_NO_MARCH_NATIVE") != "1":
-        flags.append("-march=native")
-    return flags
+    march = _march()
+    return ["-O3", "-fopenmp"] + ([f"-march={march}"] if march else [])
 
 
 def builds_native() -> bool:
@@ -122,9 +129,8 @@ def _built_for(source: Path) -> dict:
     """What a library built from ``source`` here and now is built for (an ahead-of-time manifest entry)."""
     import torch
 
-    native = builds_native()
     return {"source": hashlib.sha256(_content(source)).hexdigest(), "flags": _flags(), "torch": torch.__version__,
-            "python": sys.implementation.cache_tag, "cpu_flags": sorted(_cpu_flags().split()) if native else []}
+            "python": sys.implementation.cache_tag, "cpu_flags": sorted(_cpu_flags().split()) if _march() else []}
 
 
 def aot_library(name: str, source: Path) -> Path | None:
