@@ -64,7 +64,7 @@ def _flags() -> list[str]:
 
 def builds_native() -> bool:
     """Whether kernels are compiled for this CPU's own ISA (``-march=native``), so its AVX-512 / AMX paths exist."""
-    return "-march=native" in _flags()
+    return _march() == "native"
 
 
 def _cpu_flags() -> str:
