@@ -39,7 +39,7 @@ BENCHES = {
     "gpu": "GPU workloads (256 requests, W1 x 1024, batch-1 decode vs the roofline) vs HF generate / generate_batch",
     "steptime": "host time of a decode step by part: schedule, worker prep, forward, sampler, detokenize; --w1: a W1 "
                 "run by part (GEMMs by rows, attention decode / prefill, norms, LM head, sampler, Python per step)",
-    "threads": "batch-1 decode quiet and with a busy process on one core: spin 10000 adaptive / 10000 / 1000 / 100",
+    "threads": "batch-1 decode quiet and beside a busy process: spin 10000 / 1000 adaptive, 10000 / 1000 / 100 fixed",
     "roofline": "measured bandwidth and peak GEMMs (fp32/bf16/int8): the batch-1 and W1 floors per weight format",
     "batch1": "batch-1 decode, wall and CPU ms/token: each path of ours vs the one it replaced vs llama.cpp",
 }

@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pagedllm.cpu_env import cpu_flags
+
 log = logging.getLogger("pagedllm.ops.build")
 
 _built: dict[str, Path] = {}
@@ -67,21 +69,12 @@ def builds_native() -> bool:
     return _march() == "native"
 
 
-def _cpu_flags() -> str:
-    """The ISA flags of this CPU (``-march=native`` compiles for them), '' where /proc/cpuinfo is absent."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 @functools.cache
 def _environment() -> str:
     """What a build links against beyond its source: interpreter, environment, torch, CPU."""
     import torch
 
-    return "\n".join([sys.executable, sys.prefix, sys.version, torch.__version__, _cpu_flags()])
+    return "\n".join([sys.executable, sys.prefix, sys.version, torch.__version__, cpu_flags()])
 
 
 def _headers(source: Path) -> list[Path]:
@@ -130,7 +123,7 @@ def _built_for(source: Path) -> dict:
     import torch
 
     return {"source": hashlib.sha256(_content(source)).hexdigest(), "flags": _flags(), "torch": torch.__version__,
-            "python": sys.implementation.cache_tag, "cpu_flags": sorted(_cpu_flags().split()) if _march() else []}
+            "python": sys.implementation.cache_tag, "cpu_flags": sorted(cpu_flags().split()) if _march() else []}
 
 
 def aot_library(name: str, source: Path) -> Path | None:
@@ -142,7 +135,7 @@ def aot_library(name: str, source: Path) -> Path | None:
         return None
     here = _built_for(source)
     differ = [k for k in ("source", "flags", "torch", "python") if entry.get(k) != here[k]]
-    if not set(entry.get("cpu_flags", [])) <= set(_cpu_flags().split()):
+    if not set(entry.get("cpu_flags", [])) <= set(cpu_flags().split()):
         differ.append("CPU ISA flags")
     lib = folder / entry.get("file", "")
     if differ or not lib.is_file():

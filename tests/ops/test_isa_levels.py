@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.ops.build import _cpu_flags
+from pagedllm.cpu_env import cpu_flags
 
 pytestmark = [
-    pytest.mark.skipif("avx512f" not in _cpu_flags().split(),
+    pytest.mark.skipif("avx512f" not in cpu_flags().split(),
                        reason="this CPU's own build is the AVX2 one, which the rest of the suite tests"),
     pytest.mark.slow,
 ]

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.bench.roofline_measure import INSTRUCTIONS, instruction_peaks
-from pagedllm.ops.build import _cpu_flags
+from pagedllm.cpu_env import cpu_flags
 
 pytestmark = pytest.mark.skipif(not ops.load("peak"), reason="no C++ compiler")
 
@@ -32,7 +32,7 @@ def expected_flops_per_round(unit: str, flags: set[str]) -> int:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("unit", sorted(INSTRUCTIONS))
 def test_each_unit_counts_its_instructions_flops_on_every_thread(unit, threads):
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -54,7 +54,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_instruction_peaks_report_the_units_this_cpu_has():
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     peaks = instruction_peaks(budget_s=0.0)
     here = {INSTRUCTIONS[u][1] for u in INSTRUCTIONS if expected_flops_per_round(u, flags)}
     assert {p.name.removesuffix(", instruction peak") for p in peaks} == here
