@@ -28,7 +28,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("distributed", "attention"),
     ("ops", "kv"),
     ("protocol", "config"),
-    ("structured",),
+    ("structured", "cpu_env"),
 ]
 # (from room, to room): why this arrow runs up. docs/architecture.md names the same ones.
 BACK_ARROWS: dict[tuple[str, str], str] = {
