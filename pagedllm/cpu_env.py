@@ -19,9 +19,9 @@ WAIT_POLICY = "PASSIVE"
 # - Zen 5 EPYC, exact batch-1: spin 100 80-83 tok/s, 300 107, 500 127, 1000 145-148, 10000 141-152.
 # - Zen 4 EPYC (session 28; a decode step's layers in one call): 1000 and 10000 even in process (W1 413.0 / 412.6
 #   out tok/s over 3 alternating pairs; batch-1 quiet 150.4 / 148.1, contended 89.9 / 91.6), but `pagedllm serve`
-#   at 16 req/s served 3.7% more at 1000 (369.0 / 355.8 over 5 pairs, ITL and TTFT even at 2 req/s): its HTTP
-#   process and the clients share the two cores, and a thread spinning out 10000 iterations holds the core their
-#   wake-ups need.
+#   at 16 req/s served 3.1% more at 1000 (368.9 / 357.9 out tok/s over 7 alternating pairs; at 2 req/s even): its
+#   HTTP process and the clients share the two cores, and a thread spinning out 10000 iterations holds the core
+#   their wake-ups need.
 # So 10000 on CPUs with AMX tiles (the one class measured to need it), 1000 elsewhere. Contended (a busy process on
 # the other core) long spins lose: AMX 38 tok/s at 10000, 53 at 1000, 55 at 100; Zen 5 13-26 / 45 / 66-69. The
 # thread governor (ops/cpu_threads.py) then measures one thread faster and takes it; `bench threads` compares.
