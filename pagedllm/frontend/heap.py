@@ -2,7 +2,7 @@
 
 glibc keeps what a thread freed in that thread's arena; a burst of logprob dicts built on a reader
 thread stayed resident for good (issue 24: +10 GB after 4 requests). Trimming when a process goes
-idle returns it; ``MALLOC_ARENA_MAX`` (set in ``pagedllm/__init__.py``) bounds the arenas of the
+idle returns it; ``MALLOC_ARENA_MAX`` (set in ``pagedllm/cpu_env.py``) bounds the arenas of the
 processes the engine starts.
 """
 

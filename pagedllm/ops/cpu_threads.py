@@ -2,7 +2,7 @@
 re-tried while the engine runs.
 
 pagedllm's OpenMP threads spin at barriers for ``GOMP_SPINCOUNT`` iterations before sleeping
-(``pagedllm/__init__``): on dedicated cores that is what makes batch-1 decode fast (a step has ~150 parallel
+(``pagedllm/cpu_env.py``): on dedicated cores that is what makes batch-1 decode fast (a step has ~150 parallel
 regions, waking a sleeping thread costs 25-45 us). When another busy process takes one of the cores, a team that
 still counts on that core waits at every barrier for a thread the scheduler has parked, for whole time slices (batch
 1 fell from 145 to 45 tok/s with spin 1000 on a 2-core Zen 5). libgomp reads its wait policy once, at start, so the
