@@ -62,5 +62,8 @@ def test_a_near_tie_of_hf_excuses_a_divergence_and_a_clear_choice_does_not(tiny_
         logits = hf(torch.tensor([context])).logits[0, -1]
     assert gpu_oracle.near_tie(hf, context, int(logits.argmax()))
     assert not gpu_oracle.near_tie(hf, context, int(logits.argmin()))
+    # the gap a FAIL row reports: HF's top logit minus the token's, over the largest |logit|
+    want = float(logits.max() - logits.min()) / float(logits.abs().max())
+    assert gpu_oracle.hf_gap(hf, context, int(logits.argmin())) == pytest.approx(want)
     share, first = gpu_oracle.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[9, 2, 3, 4], [5, 6, 7, 8]], tied={0})
     assert (share, first) == (1.0, 0)

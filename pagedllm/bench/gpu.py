@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 
@@ -144,6 +145,11 @@ def decode_ms(llm, tokens: int, vocab: int, seed: int) -> float:
     return 1000 * (time.perf_counter() - first) / (tokens - 1)
 
 
+def _progress(line: str) -> None:
+    """Each figure on stderr as it is measured: a time-boxed run (scripts/gpu_check.sh) keeps what it finished."""
+    print(f"bench gpu: {line}", file=sys.stderr, flush=True)
+
+
 def run(args) -> Report:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,6 +163,7 @@ def run(args) -> Report:
              "W1 x 1024": (8, (8, 48), (4, 16)) if quick else (1024, W1["prompt_range"], W1["output_range"])}
     with tempfile.TemporaryDirectory(prefix="pagedllm-gpu-bench-") as tmp:
         path = make_model_dir(quick, dtype, tmp, args.tokenizer)
+        _progress("model written; starting the engine (CUDA graphs are captured at start)")
         engine = {"kv_cache_memory": 256 << 20} if quick else {}
         llm = LLM(path, dtype=str(dtype).split(".")[-1], seed=args.seed, **{**engine, **args.engine_args})
         vocab = llm.engine.core.spec.vocab_size
@@ -165,12 +172,15 @@ def run(args) -> Report:
         rows, result = [], {"device": str(device), "dtype": str(dtype), "quick": quick, "tok_s": {}}
         for name, reqs in work.items():
             result["tok_s"][name] = {"pagedllm": ours(llm, reqs)}
+            _progress(f"{name}: pagedllm {result['tok_s'][name]['pagedllm']:.0f} out tok/s")
         tokens = 16 if quick else 256
         ms = decode_ms(llm, tokens, vocab, args.seed)
+        _progress(f"batch-1 decode: pagedllm {ms:.3f} ms/token")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bw = copy_bandwidth(device, (64 << 20) if quick else (1 << 30))
         roof_ms = 1000 * weight_bytes / bw
+        _progress(f"roofline {roof_ms:.3f} ms/token ({bw / 1e9:.0f} GB/s copy): {100 * roof_ms / ms:.0f}% of it")
         if not args.no_hf:
             tok = AutoTokenizer.from_pretrained(path)
             for name, reqs in work.items():
@@ -178,6 +188,7 @@ def run(args) -> Report:
                                                                                          args.hf_batch)
                 result["tok_s"][name]["HF generate_batch"] = hf_generate_batch(
                     model, tok, reqs, llm.engine.args.max_num_batched_tokens)
+                _progress(f"{name}: HF {result['tok_s'][name]}")
         del model
     systems = list(dict.fromkeys(s for v in result["tok_s"].values() for s in v))
     for s in systems:

@@ -64,11 +64,16 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return out
 
 
-def near_tie(model, context: list[int], token: int) -> bool:
-    """Whether HF's logit of ``token`` after ``context`` is within ``TIE`` of its top logit (relative)."""
+def hf_gap(model, context: list[int], token: int) -> float:
+    """How far HF's logit of ``token`` after ``context`` lies below its top logit, relative to the largest |logit|
+    (a near-tie when at most ``TIE``)."""
     with torch.inference_mode():
         logits = model(torch.tensor([context], device=model.device)).logits[0, -1].float()
-    return float(logits.max() - logits[token]) <= TIE * float(logits.abs().max())
+    return float(logits.max() - logits[token]) / float(logits.abs().max())
+
+
+def near_tie(model, context: list[int], token: int) -> bool:
+    return hf_gap(model, context, token) <= TIE
 
 
 def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, backend: str, dtype: str, kv: str,
@@ -135,13 +140,16 @@ def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_
                     gc.collect()
                     if device.startswith("cuda"):
                         torch.cuda.empty_cache()
-                tied = set()
-                if not exact_row(dtype, kv):
-                    tied = {k for k, f in enumerate(first_divergences(ref, got)) if f < len(ref[k]) and
-                            near_tie(hf, prompts[k] + ref[k][:f], got[k][f])}
+                firsts = first_divergences(ref, got)
+                gaps = {} if exact_row(dtype, kv) else {k: hf_gap(hf, prompts[k] + ref[k][:f], got[k][f])
+                                                        for k, f in enumerate(firsts) if f < len(ref[k])}
+                tied = {k for k, g in gaps.items() if g <= TIE}
                 share, first = agreement(ref, got, tied)
+                # how far past a near-tie the other divergences were: a FAIL says whether it was close
+                note = ", ".join(f"prompt {k} at token {firsts[k]}: HF gap {g:.3f}" for k, g in gaps.items()
+                                 if k not in tied)
                 rows.append(Row(backend, dtype, kv, share, first, verdict(dtype, kv, share), time.perf_counter() - t0,
-                                ties=len(tied)))
+                                note, ties=len(tied)))
                 on_row(rows[-1])
         del hf
     return rows
