@@ -1,13 +1,18 @@
 """The HF oracle on one device: greedy tokens of every attention backend x dtype x KV dtype against HF
 ``generate`` on the same weights, dtype and device.
 
+Where the pool rounds the model's K/V (int8, fp8, or a float dtype other than the model's), HF attends over the
+same rounded values (:class:`~pagedllm.bench.hf_pool_cache.PoolCache`: the engine's write path into a pool of that
+dtype and block size), so a row compares kernels, not the pool's rounding: on random weights e5m2's rounding alone
+moved first tokens (an H200 row, and 2 of 4 seeds on the CPU). The ``plain`` column is the agreement with HF over
+unrounded K/V, what the rounding costs (no verdict on it: ``pagedllm bench kvquant`` measures that on real weights).
+
 The verdict follows the project's stated tolerances: fp32 weights with an fp32 pool must be token-identical to
-HF ("exact"); other dtypes and quantized pools must agree on at least 90% of the tokens, counted per prompt up
-to its first divergence ("close", the rule of tests/engine/test_kv_quant_engine.py). There, a divergence where HF
-itself nearly tied (HF's logit of the engine's token within ``TIE`` of HF's top logit, relative to the largest
-logit) counts the prompt as agreeing: random weights of real shapes give flat logits, and one such tie at the
-first token of one prompt in four was a 0.75 "FAIL" on an H200 for rows whose other prompts agreed throughout
-(the ``ties`` column counts them). The exact rows excuse nothing. A combination the engine
+HF ("exact"); other rows must agree on at least 90% of the tokens, counted per prompt up to its first divergence
+("close", the rule of tests/engine/test_kv_quant_engine.py). There, a divergence where HF itself nearly tied (HF's
+logit of the engine's token within ``TIE`` of HF's top logit, relative to the largest logit) counts the prompt as
+agreeing: random weights of real shapes give flat logits (the ``ties`` column counts them; a row's note gives the
+gap of each other divergence). The exact rows excuse nothing. A combination the engine
 refuses at start by design (flex over a quantized pool, the C++ kernels on CUDA) is listed as refused; any other
 error fails. Prints a table, a row as each combination completes (a time-boxed run keeps what it finished), writes
 the rows as JSON with ``--json``, and exits 1 when a row fails.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+BLOCK_SIZE = 16  # the engine's and the HF pool cache's (int8 scales are per block)
 CLOSE = 0.9  # share of tokens that must agree before each prompt's first divergence
 TIE = 0.01  # a divergence within 1% of HF's top logit (relative to the largest |logit|) is HF's own near-tie
 # refusals that are the design, not a failure (pagedllm/config/device.py: DeviceConfig.check_backend)
@@ -44,6 +51,7 @@ class Row:
     seconds: float
     note: str = ""
     ties: int = 0  # prompts whose divergence was a near-tie of HF's (counted as agreeing, never for exact rows)
+    plain: float = 0.0  # agreement with HF over unrounded K/V (what a lossy pool costs; no verdict on it)
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
@@ -53,22 +61,32 @@ def prompts_for(tokenizer, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def cache_kwargs(model, cache) -> dict:
+    """``cache()`` under the name this transformers takes (``cache`` from 5.x, ``past_key_values`` before)."""
+    if cache is None:
+        return {}
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache()}
+
+
+def hf_greedy(model, prompts: list[list[int]], max_tokens: int, cache=None) -> list[list[int]]:
+    """HF ``generate``'s greedy tokens; ``cache()``, where given, makes each prompt's KV cache (a PoolCache)."""
     out = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p], device=model.device)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                                 **cache_kwargs(model, cache))
             out.append(gen[0, len(p):].tolist())
     return out
 
 
-def hf_gap(model, context: list[int], token: int) -> float:
+def hf_gap(model, context: list[int], token: int, cache=None) -> float:
     """How far HF's logit of ``token`` after ``context`` lies below its top logit, relative to the largest |logit|
-    (a near-tie when at most ``TIE``)."""
+    (a near-tie when at most ``TIE``); over ``cache()``'s pool where given."""
     with torch.inference_mode():
-        logits = model(torch.tensor([context], device=model.device)).logits[0, -1].float()
+        logits = model(torch.tensor([context], device=model.device), **cache_kwargs(model, cache)).logits[0, -1]
+    logits = logits.float()
     return float(logits.max() - logits[token]) / float(logits.abs().max())
 
 
@@ -82,7 +100,7 @@ def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, bac
     from pagedllm.protocol.sampling_params import SamplingParams
 
     llm = LLM(model_dir, device=device, attention_backend=backend, dtype=dtype, kv_cache_dtype=kv,
-              max_num_seqs=len(prompts), max_num_batched_tokens=2048, kv_cache_memory=1 << 30)
+              max_num_seqs=len(prompts), max_num_batched_tokens=2048, kv_cache_memory=1 << 30, block_size=BLOCK_SIZE)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     try:
         return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -113,6 +131,17 @@ def verdict(dtype: str, kv: str, share: float) -> str:
     return "close" if share >= CLOSE else "FAIL"
 
 
+def pool_cache(model, dtype: str, kv: str, capacity: int):
+    """A factory of :class:`~pagedllm.bench.hf_pool_cache.PoolCache` for ``kv`` where that pool rounds the model's
+    K/V (quantized, or a float dtype other than ``dtype``), else None: plain HF is then the same computation."""
+    from pagedllm.bench.hf_pool_cache import PoolCache
+    from pagedllm.config.device import DTYPES, resolve_kv_cache_dtype
+
+    if kv == "auto" or resolve_kv_cache_dtype(kv) == DTYPES[dtype]:
+        return None
+    return lambda: PoolCache(model.config, kv, BLOCK_SIZE, capacity, model.device)
+
+
 def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_dtypes: list[str], n_prompts: int,
         max_tokens: int, on_row=lambda row: None) -> list[Row]:
     """Every combination's row, each also handed to ``on_row`` as it completes (a time-boxed run keeps them)."""
@@ -122,11 +151,14 @@ def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_
 
     prompts = prompts_for(AutoTokenizer.from_pretrained(model_dir), n_prompts)
     rows = []
+    capacity = max(len(p) for p in prompts) + max_tokens
     for dtype in dtypes:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
-        ref = hf_greedy(hf, prompts, max_tokens)
-        for backend in backends:
-            for kv in kv_dtypes:
+        plain = hf_greedy(hf, prompts, max_tokens)
+        for kv in kv_dtypes:
+            cache = pool_cache(hf, dtype, kv, capacity)
+            ref = hf_greedy(hf, prompts, max_tokens, cache) if cache else plain
+            for backend in backends:
                 t0 = time.perf_counter()
                 try:
                     got = engine_greedy(model_dir, prompts, max_tokens, backend, dtype, kv, device)
@@ -141,7 +173,7 @@ def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_
                     if device.startswith("cuda"):
                         torch.cuda.empty_cache()
                 firsts = first_divergences(ref, got)
-                gaps = {} if exact_row(dtype, kv) else {k: hf_gap(hf, prompts[k] + ref[k][:f], got[k][f])
+                gaps = {} if exact_row(dtype, kv) else {k: hf_gap(hf, prompts[k] + ref[k][:f], got[k][f], cache)
                                                         for k, f in enumerate(firsts) if f < len(ref[k])}
                 tied = {k for k, g in gaps.items() if g <= TIE}
                 share, first = agreement(ref, got, tied)
@@ -149,18 +181,19 @@ def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_
                 note = ", ".join(f"prompt {k} at token {firsts[k]}: HF gap {g:.3f}" for k, g in gaps.items()
                                  if k not in tied)
                 rows.append(Row(backend, dtype, kv, share, first, verdict(dtype, kv, share), time.perf_counter() - t0,
-                                note, ties=len(tied)))
+                                note, ties=len(tied), plain=agreement(plain, got)[0]))
                 on_row(rows[-1])
         del hf
     return rows
 
 
-HEADER = f"{'backend':<10} {'dtype':<9} {'kv':<9} {'agree':>6} {'first':>5} {'ties':>4} {'verdict':<8} {'s':>6}  note"
+HEADER = (f"{'backend':<10} {'dtype':<9} {'kv':<9} {'agree':>6} {'first':>5} {'ties':>4} {'plain':>6} {'verdict':<8} "
+          f"{'s':>6}  note")
 
 
 def line(r: Row) -> str:
     return (f"{r.backend:<10} {r.dtype:<9} {r.kv_dtype:<9} {r.agreement:>6.3f} {r.first_divergence:>5} "
-            f"{r.ties:>4} {r.verdict:<8} {r.seconds:>6.1f}  {r.note}")
+            f"{r.ties:>4} {r.plain:>6.3f} {r.verdict:<8} {r.seconds:>6.1f}  {r.note}")
 
 
 def main(argv: list[str] | None = None) -> int:
