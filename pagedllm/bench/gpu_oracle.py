@@ -13,7 +13,7 @@ HF ("exact"); other rows must agree on at least 90% of the tokens, counted per p
 logit of the engine's token within ``TIE`` of HF's top logit, relative to the largest logit) counts the prompt as
 agreeing: random weights of real shapes give flat logits (the ``ties`` column counts them; a row's note gives the
 gap of each other divergence). The exact rows excuse nothing. A combination the engine
-refuses at start by design (flex over a quantized pool, the C++ kernels on CUDA) is listed as refused; any other
+refuses at start by design (flex over a quantized pool, the C++ kernels on CUDA or with fp16) is listed as refused; any other
 error fails. Prints a table, a row as each combination completes (a time-boxed run keeps what it finished), writes
 the rows as JSON with ``--json``, and exits 1 when a row fails.
 
@@ -37,7 +37,8 @@ BLOCK_SIZE = 16  # the engine's and the HF pool cache's (int8 scales are per blo
 CLOSE = 0.9  # share of tokens that must agree before each prompt's first divergence
 TIE = 0.01  # a divergence within 1% of HF's top logit (relative to the largest |logit|) is HF's own near-tie
 # refusals that are the design, not a failure (pagedllm/config/device.py: DeviceConfig.check_backend)
-EXPECTED_REFUSALS = ("the flex backend reads float pools only", "runs C++ CPU kernels, not on")
+EXPECTED_REFUSALS = ("the flex backend reads float pools only", "runs C++ CPU kernels, not on",
+                     "the CPU kernels take float32 or bfloat16 activations")
 
 
 @dataclass

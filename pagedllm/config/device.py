@@ -141,7 +141,8 @@ class DeviceConfig:
 
     def check_backend(self, backend: str) -> None:
         """ValueError naming what to use instead when attention ``backend`` cannot run on this device with this
-        KV storage dtype: the C++ kernels run on the CPU and read float32 / bfloat16 / int8 / fp8 pools, Triton
+        KV storage dtype: the C++ kernels run on the CPU, take float32 / bfloat16 activations and read float32 /
+        bfloat16 / int8 / fp8 pools (fp16 activations failed at the first step before), Triton
         needs CUDA (or its interpreter, in tests), flex reads float pools only."""
         kv = str(self.kv_dtype).removeprefix("torch.")
         if backend == "cpu" and self.device.type != "cpu":
@@ -149,10 +150,12 @@ class DeviceConfig:
                              "'flex' (or auto)")
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend 'triton' needs a CUDA device; on the CPU use 'cpu' (or auto)")
-        if backend == "cpu" and self.kv_dtype == torch.float16:
-            raise ValueError(f"kv_cache_dtype {kv} (dtype float16 stores a float16 pool unless kv_cache_dtype says "
-                             "otherwise): the CPU kernels read float32, bfloat16, int8 or fp8 pools; use dtype "
-                             "bfloat16 or float32, or kv_cache_dtype bfloat16, or attention_backend 'reference'")
+        if backend == "cpu" and torch.float16 in (self.dtype, self.kv_dtype):
+            fp16 = self.dtype == torch.float16
+            raise ValueError(f"{'dtype float16' if fp16 else f'kv_cache_dtype {kv}'}: the CPU kernels take float32 or "
+                             "bfloat16 activations and read float32, bfloat16, int8 or fp8 pools; use dtype bfloat16 "
+                             f"or float32{'' if fp16 else ', or kv_cache_dtype bfloat16'}, or attention_backend "
+                             "'reference'")
         if backend == "flex" and self.kv_dtype in QUANTIZED_KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv}: the flex backend reads float pools only (flex attention cannot "
                              "dequantize V as it loads it); use attention_backend 'cpu' or 'triton' (or auto), or "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.config import device as device_mod
 from pagedllm.config.args import EngineArgs
 from pagedllm.config.device import DeviceConfig
@@ -29,6 +29,8 @@ def no_weights(monkeypatch):
     (dict(dtype="float16", attention_backend="cpu"), "use dtype bfloat16 or float32"),
     (dict(dtype="float16"), "use dtype bfloat16 or float32"),  # auto picks the C++ kernels on the CPU
     (dict(dtype="float32", kv_cache_dtype="float16", attention_backend="cpu"), "kv_cache_dtype bfloat16"),
+    (dict(dtype="float16", kv_cache_dtype="int8", attention_backend="cpu"), "dtype float16: the CPU kernels take"),
+    (dict(dtype="float16", kv_cache_dtype="bfloat16", attention_backend="cpu"), "or attention_backend 'reference'"),
     (dict(kv_cache_dtype="int8", attention_backend="flex"), "use attention_backend 'cpu' or 'triton'"),
     (dict(kv_cache_dtype="fp8_e5m2", attention_backend="flex"), "use attention_backend 'cpu' or 'triton'"),
 ])
@@ -46,12 +48,20 @@ def test_triton_on_the_cpu_needs_its_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("kw", [dict(dtype="float16", attention_backend="reference"),
-                                dict(dtype="float16", kv_cache_dtype="int8", attention_backend="cpu"),
+                                dict(dtype="float16", kv_cache_dtype="int8", attention_backend="reference"),
                                 dict(dtype="float16", attention_backend="flex"),
-                                dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", attention_backend="cpu")])
-def test_what_runs_is_not_refused(kw):
-    cfg = DeviceConfig.from_args(EngineArgs(device="cpu", **kw))
-    cfg.check_backend(kw["attention_backend"])
+                                dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", attention_backend="cpu"),
+                                dict(dtype="float32", kv_cache_dtype="int8", attention_backend="cpu")])
+def test_what_is_not_refused_runs(tiny_model_dir, kw):
+    """Accepted at start means served: the first steps run (fp16 activations with an int8 pool on the C++ kernels
+    were accepted here and failed at the first step)."""
+    llm = LLM(tiny_model_dir, device="cpu", num_blocks=8, **kw)
+    try:
+        out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)[0]
+    finally:
+        llm.engine.shutdown()
+    assert out.error is None and len(out.outputs[0].token_ids) == 3
 
 
 def test_the_cpu_kernels_are_refused_on_cuda():
