@@ -12,10 +12,10 @@ HF ("exact"); other rows must agree on at least 90% of the tokens, counted per p
 ("close", the rule of tests/engine/test_kv_quant_engine.py). There, a divergence where HF itself nearly tied (HF's
 logit of the engine's token within ``TIE`` of HF's top logit, relative to the largest logit) counts the prompt as
 agreeing: random weights of real shapes give flat logits (the ``ties`` column counts them; a row's note gives the
-gap of each other divergence). The exact rows excuse nothing. A combination the engine
-refuses at start by design (flex over a quantized pool, the C++ kernels on CUDA or with fp16) is listed as refused; any other
-error fails. Prints a table, a row as each combination completes (a time-boxed run keeps what it finished), writes
-the rows as JSON with ``--json``, and exits 1 when a row fails.
+gap of each other divergence). The exact rows excuse nothing. A combination the engine refuses at start by design
+(flex over a quantized pool, the C++ kernels on CUDA or with fp16) is listed as refused; any other error fails.
+Prints a table, a row as each combination completes (a time-boxed run keeps what it finished), writes the rows as
+JSON with ``--json``, and exits 1 when a row fails.
 
 usage: python -m pagedllm.bench.gpu_oracle --model DIR [--device cuda] [--backends reference,flex,triton]
        [--dtypes float32,bfloat16,float16] [--kv-dtypes auto,float32,...] [--prompts 8] [--max-tokens 16]
