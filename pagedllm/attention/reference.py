@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata, write_kv
-from pagedllm.kv.kv_quant import QuantizedKV
+from pagedllm.kv.kv_quant import read_rows
 
 
 def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -23,10 +23,7 @@ def sequence_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> 
 def gather_sequence_kv(cache, block_table: torch.Tensor, seq_len: int, block_size: int,
                        dtype: torch.dtype) -> torch.Tensor:
     """Dense ``[Hkv, seq_len, D]`` copy of one sequence's cached K or V in ``dtype`` (dequantized)."""
-    slots = sequence_slots(block_table, seq_len, block_size)
-    if isinstance(cache, QuantizedKV):
-        return cache.rows(slots, dtype)
-    return cache.index_select(1, slots).to(dtype)
+    return read_rows(cache, sequence_slots(block_table, seq_len, block_size), dtype)
 
 
 def causal_mask(q_len: int, s_len: int, device: torch.device) -> torch.Tensor:

@@ -2,10 +2,11 @@
 ``generate`` on the same weights, dtype and device.
 
 Where the pool rounds the model's K/V (int8, fp8, or a float dtype other than the model's), HF attends over the
-same rounded values (:class:`~pagedllm.bench.hf_pool_cache.PoolCache`: the engine's write path into a pool of that
-dtype and block size), so a row compares kernels, not the pool's rounding: on random weights e5m2's rounding alone
-moved first tokens (an H200 row, and 2 of 4 seeds on the CPU). The ``plain`` column is the agreement with HF over
-unrounded K/V, what the rounding costs (no verdict on it: ``pagedllm bench kvquant`` measures that on real weights).
+same rounded values (:class:`~pagedllm.models.paged_cache.PagedCache` in a pool of that dtype and block size,
+written through the engine's write path), so a row compares kernels, not the pool's rounding: on random weights
+e5m2's rounding alone moved first tokens (an H200 row, and 2 of 4 seeds on the CPU). The ``plain`` column is the
+agreement with HF over unrounded K/V, what the rounding costs (no verdict on it: ``pagedllm bench kvquant``
+measures that on real weights).
 
 The verdict follows the project's stated tolerances: fp32 weights with an fp32 pool must be token-identical to
 HF ("exact"); other rows must agree on at least 90% of the tokens, counted per prompt up to its first divergence
@@ -70,7 +71,7 @@ def cache_kwargs(model, cache) -> dict:
 
 
 def hf_greedy(model, prompts: list[list[int]], max_tokens: int, cache=None) -> list[list[int]]:
-    """HF ``generate``'s greedy tokens; ``cache()``, where given, makes each prompt's KV cache (a PoolCache)."""
+    """HF ``generate``'s greedy tokens; ``cache()``, where given, makes each prompt's KV cache (a PagedCache)."""
     out = []
     with torch.inference_mode():
         for p in prompts:
@@ -133,14 +134,16 @@ def verdict(dtype: str, kv: str, share: float) -> str:
 
 
 def pool_cache(model, dtype: str, kv: str, capacity: int):
-    """A factory of :class:`~pagedllm.bench.hf_pool_cache.PoolCache` for ``kv`` where that pool rounds the model's
-    K/V (quantized, or a float dtype other than ``dtype``), else None: plain HF is then the same computation."""
-    from pagedllm.bench.hf_pool_cache import PoolCache
+    """A factory of HF caches in a ``kv`` pool (:class:`~pagedllm.models.paged_cache.PagedCache`, rounding as the
+    engine's pool does) where that pool rounds the model's K/V (quantized, or a float dtype other than ``dtype``),
+    else None: plain HF is then the same computation."""
     from pagedllm.config.device import DTYPES, resolve_kv_cache_dtype
+    from pagedllm.models.paged_cache import PagedCache
 
     if kv == "auto" or resolve_kv_cache_dtype(kv) == DTYPES[dtype]:
         return None
-    return lambda: PoolCache(model.config, kv, BLOCK_SIZE, capacity, model.device)
+    return lambda: PagedCache(model.config, num_blocks=-(-capacity // BLOCK_SIZE), block_size=BLOCK_SIZE,
+                              dtype=resolve_kv_cache_dtype(kv))
 
 
 def run(model_dir: str, device: str, backends: list[str], dtypes: list[str], kv_dtypes: list[str], n_prompts: int,

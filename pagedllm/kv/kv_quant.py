@@ -80,6 +80,14 @@ class QuantizedKV:
         return (codes * scale[..., None]).to(dtype)
 
 
+def read_rows(cache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[Hkv, len(slots), D]`` rows of one layer's K or V pool in ``dtype``: a float pool's own rows, or a
+    :class:`QuantizedKV`'s dequantized."""
+    if isinstance(cache, QuantizedKV):
+        return cache.rows(slots, dtype)
+    return cache.index_select(1, slots).to(dtype)
+
+
 def _runs(slot_mapping: torch.Tensor, block_size: int):
     """Runs of consecutive new rows landing in one block: (run of each row, block of each run, offset of
     each run's first row)."""

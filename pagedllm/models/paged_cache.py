@@ -11,6 +11,10 @@ slot mapping (one ``index_copy_`` per layer for the whole batch) and returns the
 gathered from their blocks in one ``index_select`` (HF attention wants dense tensors: the gather
 is the drop-in's price; our own model reads the pool in place). Rows of a batch share one length,
 as in any HF cache (left padding is masked by HF's attention mask, so it lives in the pool too).
+
+The pool's ``dtype`` may be narrower than the model's, or quantized (int8, fp8): the K/V are then rounded by the
+engine's own write path and read back dequantized, so HF attends over what the engine's kernels read (the GPU
+oracle's reference for a lossy pool, ``bench/gpu_oracle.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from pagedllm.attention.metadata import write_kv
 from pagedllm.kv.kv_cache import KVCache
+from pagedllm.kv.kv_quant import read_rows
 
 
 class PagedLayer(CacheLayerMixin):
@@ -50,12 +56,13 @@ class PagedLayer(CacheLayerMixin):
         own._ensure_rows(B, end)
         k_cache, v_cache = own.kv_cache.layer(self.layer_idx)
         new = own._slots(start, end).flatten()  # [B * q], row-major like the permuted K/V below
-        k_cache.index_copy_(1, new, key_states.transpose(0, 1).reshape(Hkv, B * q, D).to(k_cache.dtype))
-        v_cache.index_copy_(1, new, value_states.transpose(0, 1).reshape(Hkv, B * q, D).to(v_cache.dtype))
+        # [B * q, Hkv, D], row-major like ``new``; a quantized pool rounds them as the engine's write does
+        write_kv(key_states.transpose(1, 2).reshape(B * q, Hkv, D), value_states.transpose(1, 2).reshape(B * q, Hkv, D),
+                 k_cache, v_cache, new)
         self.length = end
         every = own._slots(0, end).flatten()
-        keys = k_cache.index_select(1, every).view(Hkv, B, end, D).transpose(0, 1).to(key_states.dtype)
-        values = v_cache.index_select(1, every).view(Hkv, B, end, D).transpose(0, 1).to(value_states.dtype)
+        keys = read_rows(k_cache, every, key_states.dtype).view(Hkv, B, end, D).transpose(0, 1)
+        values = read_rows(v_cache, every, value_states.dtype).view(Hkv, B, end, D).transpose(0, 1)
         self.keys, self.values = keys, values  # what DynamicLayer exposes, for callers that peek
         return keys, values
 
@@ -92,8 +99,8 @@ class PagedCache(Cache):
     """A transformers ``Cache`` backed by a ``KVCache`` block pool and per-row block tables.
 
     ``config``: the HF model config (for layer count, KV heads, head dim), or pass ``kv_cache``
-    (an existing pool whose blocks this cache may use, all of them). ``dtype`` defaults to the
-    dtype of the first K/V it sees.
+    (an existing pool whose blocks this cache may use, all of them). ``dtype`` (the pool's, a KV cache dtype)
+    defaults to the dtype of the first K/V it sees.
     """
 
     def __init__(

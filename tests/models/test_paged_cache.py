@@ -62,6 +62,24 @@ def test_tiny_logits_equal_dynamic_cache(tiny):
         assert (a - b).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e5m2])
+def test_a_quantized_pool_keeps_each_row_to_itself(tiny, dtype):
+    """A batch in an int8 / fp8 pool: each row's logits are what it gets alone in that pool (its blocks and int8's
+    per-block scales are its own), and the pool's rounding shows against DynamicCache."""
+    prompts = prompts_of([20, 20], seed=3)
+    kw = dict(max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+    batch = generate(tiny, *left_padded(prompts), PagedCache(tiny.config, num_blocks=32, block_size=16, dtype=dtype),
+                     **kw)
+    for i, p in enumerate(prompts):
+        alone = generate(tiny, *left_padded([p]), PagedCache(tiny.config, num_blocks=32, block_size=16, dtype=dtype),
+                         **kw)
+        assert torch.equal(batch.sequences[i], alone.sequences[0])
+        for a, b in zip(batch.logits, alone.logits):
+            assert (a[i] - b[0]).abs().max().item() < 1e-5
+    ref = generate(tiny, *left_padded(prompts), DynamicCache(), **kw)
+    assert max((a - b).abs().max().item() for a, b in zip(batch.logits, ref.logits)) > 1e-4
+
+
 def test_beam_search_reorders_rows(tiny):
     """Beam search expands the batch and reorders rows every step (block copies in the pool)."""
     ids, mask = left_padded(prompts_of([7, 12], seed=2))

@@ -1,5 +1,6 @@
-"""The GPU oracle's HF side for lossy pools: HF over PoolCache attends over K/V rounded as the engine's pool rounds
-them, so the engine with that pool matches it token for token in fp32 (plain HF is only close)."""
+"""The GPU oracle's HF side for lossy pools: HF over a PagedCache in that pool attends over K/V rounded as the
+engine's pool rounds them, so the engine with that pool matches it token for token in fp32 (plain HF is only
+close)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 import torch
 
 from pagedllm.bench import gpu_oracle
-from pagedllm.bench.hf_pool_cache import PoolCache
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,6 @@ def test_no_pool_cache_where_the_pool_keeps_the_model_dtype(tiny_hf):
     assert gpu_oracle.pool_cache(tiny_hf, "float32", "auto", 64) is None
     assert gpu_oracle.pool_cache(tiny_hf, "float32", "float32", 64) is None
     assert gpu_oracle.pool_cache(tiny_hf, "bfloat16", "bfloat16", 64) is None
-
-
-def test_a_batch_is_refused(tiny_hf):
-    cache = PoolCache(tiny_hf.config, "int8", 16, 64, torch.device("cpu"))
-    with pytest.raises(ValueError, match="one sequence, got a batch of 2"):
-        cache.update(torch.zeros(2, 2, 3, 16), torch.zeros(2, 2, 3, 16), 0)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e5m2"])
