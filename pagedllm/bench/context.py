@@ -30,6 +30,7 @@ from pagedllm.bench.common import (
 )
 from pagedllm.bench.report import Report, Table
 from pagedllm.bench.workloads import BenchRequest, corpus
+from pagedllm.models.paged_cache import hf_cache_kwargs
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +58,8 @@ def hf_prefill_decode(model, prompts: list[list[int]], steps: int, pad: int) -> 
         s = time.perf_counter()
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         last = last + 1
-        out = model(input_ids=nxt, attention_mask=mask, position_ids=last, past_key_values=past, use_cache=True)
+        out = model(input_ids=nxt, attention_mask=mask, position_ids=last, use_cache=True,
+                    **hf_cache_kwargs(model, past))
         past = out.past_key_values
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         times.append(time.perf_counter() - s)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from pagedllm.models.paged_cache import hf_cache_kwargs
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZE = 16  # the engine's and the HF pool cache's (int8 scales are per block)
@@ -63,13 +64,6 @@ def prompts_for(tokenizer, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def cache_kwargs(model, cache) -> dict:
-    """``cache()`` under the name this transformers takes (``cache`` from 5.x, ``past_key_values`` before)."""
-    if cache is None:
-        return {}
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache()}
-
-
 def hf_greedy(model, prompts: list[list[int]], max_tokens: int, cache=None) -> list[list[int]]:
     """HF ``generate``'s greedy tokens; ``cache()``, where given, makes each prompt's KV cache (a PagedCache)."""
     out = []
@@ -78,7 +72,7 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int, cache=None) -> l
             ids = torch.tensor([p], device=model.device)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                                 **cache_kwargs(model, cache))
+                                 **hf_cache_kwargs(model, cache() if cache else None))
             out.append(gen[0, len(p):].tolist())
     return out
 
@@ -87,7 +81,8 @@ def hf_gap(model, context: list[int], token: int, cache=None) -> float:
     """How far HF's logit of ``token`` after ``context`` lies below its top logit, relative to the largest |logit|
     (a near-tie when at most ``TIE``); over ``cache()``'s pool where given."""
     with torch.inference_mode():
-        logits = model(torch.tensor([context], device=model.device), **cache_kwargs(model, cache)).logits[0, -1]
+        logits = model(torch.tensor([context], device=model.device),
+                       **hf_cache_kwargs(model, cache() if cache else None)).logits[0, -1]
     logits = logits.float()
     return float(logits.max() - logits[token]) / float(logits.abs().max())
 

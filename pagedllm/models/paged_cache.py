@@ -4,7 +4,7 @@ A drop-in for ``DynamicCache`` so an unmodified ``AutoModelForCausalLM`` (any ar
 transformers implements) generates with its KV in the pool:
 
     cache = PagedCache(model.config, num_blocks=256, block_size=16)
-    model.generate(input_ids, past_key_values=cache, ...)
+    model.generate(input_ids, **hf_cache_kwargs(model, cache), ...)
 
 Each batch row owns a block table; ``update`` scatters the step's K/V into the pool through the
 slot mapping (one ``index_copy_`` per layer for the whole batch) and returns the rows' full K/V
@@ -19,6 +19,7 @@ oracle's reference for a lossy pool, ``bench/gpu_oracle.py``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -27,6 +28,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from pagedllm.attention.metadata import write_kv
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.kv.kv_quant import read_rows
+
+
+def hf_cache_kwargs(model, cache) -> dict:
+    """``cache`` as the keyword this transformers' ``forward`` / ``generate`` takes: ``cache`` in recent 5.x releases,
+    which warn that ``past_key_values`` goes (5.40 for ``forward``), ``past_key_values`` before; nothing for None."""
+    if cache is None:
+        return {}
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 class PagedLayer(CacheLayerMixin):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.bench import gpu_oracle
+from pagedllm.models.paged_cache import hf_cache_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def tiny_hf(tiny_model_dir):
 
 def _logits(model, ids: list[int], cache=None) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([ids]), **gpu_oracle.cache_kwargs(model, cache)).logits[0]
+        return model(torch.tensor([ids]), **hf_cache_kwargs(model, cache() if cache else None)).logits[0]
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e5m2", "float16"])

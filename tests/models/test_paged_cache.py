@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from pagedllm.kv.kv_cache import KVCache
-from pagedllm.models.paged_cache import PagedCache
+from pagedllm.models.paged_cache import PagedCache, hf_cache_kwargs
 from pagedllm.models.tiny import tiny_hf_model
 
 
@@ -22,7 +22,7 @@ def left_padded(prompts: list[list[int]], pad: int = 0):
 
 
 def generate(hf, ids, mask, cache, **kw):
-    return hf.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+    return hf.generate(input_ids=ids, attention_mask=mask, **hf_cache_kwargs(hf, cache), do_sample=False,
                        eos_token_id=None, pad_token_id=0, **kw)
 
 
@@ -111,7 +111,7 @@ def test_smollm2_generate_equals_dynamic_cache(smollm2_dir):
     texts = ["The capital of France is", "Once upon a time, in a small village near the mountains, there lived",
              "def fibonacci(n):"]
     enc = tok(texts, return_tensors="pt", padding=True)
-    ref = hf.generate(**enc, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache())
+    ref = hf.generate(**enc, max_new_tokens=12, do_sample=False, **hf_cache_kwargs(hf, DynamicCache()))
     cache = PagedCache(hf.config, num_blocks=64, block_size=16)
-    out = hf.generate(**enc, max_new_tokens=12, do_sample=False, past_key_values=cache)
+    out = hf.generate(**enc, max_new_tokens=12, do_sample=False, **hf_cache_kwargs(hf, cache))
     assert torch.equal(out, ref), (tok.batch_decode(out), tok.batch_decode(ref))
