@@ -60,8 +60,8 @@ def test_a_near_tie_of_hf_excuses_a_divergence_and_a_clear_choice_does_not(tiny_
     context = [5, 17, 300, 42, 9]
     with torch.inference_mode():
         logits = hf(torch.tensor([context])).logits[0, -1]
-    assert gpu_oracle.near_tie(hf, context, int(logits.argmax()))
-    assert not gpu_oracle.near_tie(hf, context, int(logits.argmin()))
+    assert gpu_oracle.hf_gap(hf, context, int(logits.argmax())) == 0.0  # a tie (gap <= TIE) with itself
+    assert gpu_oracle.hf_gap(hf, context, int(logits.argmin())) > gpu_oracle.TIE
     # the gap a FAIL row reports: HF's top logit minus the token's, over the largest |logit|
     want = float(logits.max() - logits.min()) / float(logits.abs().max())
     assert gpu_oracle.hf_gap(hf, context, int(logits.argmin())) == pytest.approx(want)

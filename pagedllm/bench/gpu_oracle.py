@@ -87,10 +87,6 @@ def hf_gap(model, context: list[int], token: int, cache=None) -> float:
     return float(logits.max() - logits[token]) / float(logits.abs().max())
 
 
-def near_tie(model, context: list[int], token: int) -> bool:
-    return hf_gap(model, context, token) <= TIE
-
-
 def engine_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, backend: str, dtype: str, kv: str,
                   device: str) -> list[list[int]]:
     from pagedllm.entrypoints.llm import LLM

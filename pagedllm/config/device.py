@@ -142,8 +142,7 @@ class DeviceConfig:
     def check_backend(self, backend: str) -> None:
         """ValueError naming what to use instead when attention ``backend`` cannot run on this device with this
         KV storage dtype: the C++ kernels run on the CPU, take float32 / bfloat16 activations and read float32 /
-        bfloat16 / int8 / fp8 pools (fp16 activations failed at the first step before), Triton
-        needs CUDA (or its interpreter, in tests), flex reads float pools only."""
+        bfloat16 / int8 / fp8 pools, Triton needs CUDA (or its interpreter, in tests), flex reads float pools only."""
         kv = str(self.kv_dtype).removeprefix("torch.")
         if backend == "cpu" and self.device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs C++ CPU kernels, not on {self.device}; use 'triton' or "
