@@ -59,6 +59,8 @@ def test_what_is_not_refused_runs(tiny_model_dir, kw):
     try:
         out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                            use_tqdm=False)[0]
+        llm.engine.kv.check_integrity()
+        assert llm.engine.kv.stats()["used"] == 0
     finally:
         llm.engine.shutdown()
     assert out.error is None and len(out.outputs[0].token_ids) == 3
