@@ -7,14 +7,15 @@ that runs (ours, oneDNN/MKL through torch, bf16, int8). From those and the model
   LM head; KV reads are left out: a few hundred KB at W1's lengths against ~100-500 MB of weights);
 * W1 ceiling = W1's output tokens / (its linear FLOPs + attention FLOPs) at the peak GEMM throughput of the path
   the format runs on (attention counted at that peak too, so the floor is optimistic);
-* W1 floor with KV reads = the same, plus the time its decode steps take to read their K/V from the pool at the
-  read bandwidth (each decode token reads its whole context once a layer; prefill chunks, which read theirs once
-  per query tile, left out): still optimistic, but it counts the bytes no kernel can skip. The pool holds bf16
-  under bf16 activations (formats bf16, gguf-bf16), else fp32.
+* W1 floor with KV reads = the same, but decode attention takes the longer of its FLOPs and the time its decode
+  steps take to read their K/V from the pool at the read bandwidth (each decode token reads its whole context once
+  a layer; prefill chunks, which read theirs once per query tile, left out): still optimistic, but it counts the
+  bytes no kernel can skip. The pool holds bf16 under bf16 activations (formats bf16, gguf-bf16), else fp32.
 * W1 floor at the cores' peak = the floor with KV reads, its FLOPs at the instruction peak of the format's
   arithmetic (``ops/csrc/peak.cpp``: FMA for fp32 and the exact GGUF path, VDPBF16PS or AMX tiles for bf16,
-  VPDPBUSD for int8) where that beats the best GEMM path: the hardware's bound, not a library's.
-  ``bench serve`` takes the same floor for its loads' own requests (:func:`load_floor_tok_s`).
+  VPDPBUSD for int8) where that beats the best GEMM path: the hardware's bound for an engine that runs a step's ops
+  one after another, not a library's. ``bench throughput`` takes it for the requests it runs, ``bench serve`` for
+  its loads' own requests (:func:`load_floor_tok_s`).
 
 A measured tok/s at or near its ceiling cannot go faster on this machine in that format; the gap to the ceiling is
 what the engine's own overheads cost.
@@ -120,15 +121,40 @@ def _length_grid(w: dict) -> tuple[np.ndarray, np.ndarray]:
     return p, o
 
 
-def workload_flops(shape: ModelShape, w: dict) -> tuple[float, float]:
-    """Expected (FLOPs, output tokens) per request of a workload with uniform prompt and output lengths."""
-    p, o = _length_grid(w)
-    return float(request_flops(shape, p, o).mean()), float(np.broadcast_to(o, (p.size, o.size)).mean())
+@dataclass(frozen=True)
+class LoadCost:
+    """What a load of requests asks of the hardware, summed over its requests: every FLOP (``flops``), the part of
+    them decode attention does, the keys its decode steps read in one layer, and the output tokens."""
+
+    flops: float
+    decode_attn_flops: float
+    decode_keys: float
+    out_tokens: float
+
+    def seconds(self, gflops: float, kv_bytes_per_key: float | None = None, read_Bps: float | None = None) -> float:
+        """Its time with every FLOP at ``gflops``; with the K/V bytes a key and the read bandwidth, decode attention
+        takes the longer of its FLOPs and its K/V reads instead (an op's loads overlap its arithmetic; a step's
+        ops run one after another, so its GEMMs' FLOPs do not hide attention's reads)."""
+        rate = gflops * 1e9
+        if kv_bytes_per_key is None:
+            return self.flops / rate
+        attn = max(self.decode_attn_flops / rate, self.decode_keys * kv_bytes_per_key / read_Bps)
+        return (self.flops - self.decode_attn_flops) / rate + attn
 
 
-def workload_decode_keys(w: dict) -> float:
-    """Expected keys a request's decode steps read in one layer."""
-    return float(request_decode_keys(*_length_grid(w)).mean())
+def load_cost(shape: ModelShape, prompt: np.ndarray, output: np.ndarray) -> LoadCost:
+    """The cost of requests with these prompt and output lengths (arrays that broadcast together)."""
+    c = shape.config
+    p, o = np.broadcast_arrays(np.asarray(prompt, dtype=np.float64), np.asarray(output, dtype=np.float64))
+    keys = request_decode_keys(p, o).sum()
+    return LoadCost(float(request_flops(shape, p, o).sum()),
+                    float(4.0 * c.num_layers * c.num_heads * c.head_dim * keys), float(keys), float(o.sum()))
+
+
+def workload_cost(shape: ModelShape, w: dict) -> LoadCost:
+    """The cost of a workload with uniform lengths: one request of every (prompt, output) pair, so its tok/s
+    figures are those of the expected request."""
+    return load_cost(shape, *_length_grid(w))
 
 
 def kv_bytes_per_key(shape: ModelShape, fmt: str) -> int:
@@ -141,12 +167,10 @@ def kv_bytes_per_key(shape: ModelShape, fmt: str) -> int:
 FORMATS = {"fp32": "fp32", "bf16": "bf16", "gguf": "fp32 on {q}", "gguf-a8": "int8", "gguf-bf16": "bf16"}
 
 
-def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: dict,
+def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], cost: LoadCost,
            peaks: list[GemmPath] = ()) -> list[dict]:
-    """Per weight format: bytes per decode step, the batch-1 ceiling, the W1 GEMM path and W1's ceiling; with the
-    cores' instruction ``peaks``, W1's floor at them too."""
-    flops, out_tokens = workload_flops(shape, w)
-    keys = workload_decode_keys(w)
+    """Per weight format: bytes per decode step, the batch-1 ceiling, the W1 GEMM path and the ceiling of the load
+    that ``cost`` sums (W1's); with the cores' instruction ``peaks``, its floor at them too."""
     qt = shape.layer_qtype()
     rows = []
     for fmt, family in FORMATS.items():
@@ -154,21 +178,22 @@ def floors(shape: ModelShape, bw: dict[str, float], paths: list[GemmPath], w: di
             continue
         path = best_of(paths, family.format(q=QUANT_NAMES.get(qt, "")))
         nbytes = shape.step_bytes(fmt)
-        gemm_s = flops / (path.gflops * 1e9) if path else None
-        kv_s = keys * kv_bytes_per_key(shape, fmt) / bw["read"]
+        kv = (kv_bytes_per_key(shape, fmt), bw["read"])
         peak = best_of(list(peaks), family.split(" on ")[0])  # the exact GGUF path's arithmetic is fp32 FMAs
         top = max(peak.gflops if peak else 0.0, path.gflops if path else 0.0)
         rows.append({"format": fmt, "step_bytes": nbytes, "b1_tok_s": bw["read"] / nbytes,
                      "gemm_path": path.name if path else None, "gemm_gflops": path.gflops if path else None,
-                     "w1_tok_s": out_tokens / gemm_s if path else None,
-                     "w1_kv_tok_s": out_tokens / (gemm_s + kv_s) if path else None,
+                     "w1_tok_s": cost.out_tokens / cost.seconds(path.gflops) if path else None,
+                     "w1_kv_tok_s": cost.out_tokens / cost.seconds(path.gflops, *kv) if path else None,
                      "peak_gflops": peak.gflops if peak else None, "floor_gflops": top or None,
-                     "w1_peak_tok_s": out_tokens / (flops / (top * 1e9) + kv_s) if top else None})
+                     "w1_peak_tok_s": cost.out_tokens / cost.seconds(top, *kv) if top else None})
     return rows
 
 
-def measure(quick: bool, model: str | None = None, w: dict | None = None) -> dict:
-    """The whole roofline: bandwidth, GEMM peaks at the model's gate/up shape, and each format's floors."""
+def measure(quick: bool, model: str | None = None, w: dict | None = None,
+            lengths: tuple[list[int], list[int]] | None = None) -> dict:
+    """The whole roofline: bandwidth, GEMM peaks at the model's gate/up shape, and each format's floors for the
+    workload ``w`` (W1 by default): its expected request, or with ``lengths`` (prompts, outputs) the requests run."""
     shape = model_shape(model)
     c = shape.config
     bw = bandwidth((32 << 20) if quick else (512 << 20), budget_s=0.1 if quick else 0.5)
@@ -177,10 +202,12 @@ def measure(quick: bool, model: str | None = None, w: dict | None = None) -> dic
                                 budget_s=0.05 if quick else 0.3)
     peaks = instruction_peaks(budget_s=0.02 if quick else 0.2)
     w = w or (W1_QUICK if quick else W1)
+    cost = load_cost(shape, *lengths) if lengths else workload_cost(shape, w)
     return {"bandwidth_Bps": bw, "gemm": [p.__dict__ for p in paths], "refused": refused,
             "instruction": [p.__dict__ for p in peaks],
             "gemm_shape": [32 if quick else GEMM_ROWS, c.hidden_size, 2 * c.intermediate_size],
-            "floors": floors(shape, bw, paths, w, peaks), "workload": w, "threads": torch.get_num_threads()}
+            "floors": floors(shape, bw, paths, cost, peaks), "workload": w, "requests_run": lengths is not None,
+            "threads": torch.get_num_threads()}
 
 
 def format_of(dtype: torch.dtype, quantization: str) -> str:
@@ -197,16 +224,15 @@ def floor_for(result: dict, fmt: str) -> dict | None:
 def load_floor_tok_s(result: dict, fmt: str, prompts: list[int], outputs: list[int],
                      model: str | None = None) -> float | None:
     """The floor at the cores' peak of any load of these requests in ``fmt`` (a roofline ``result`` of this CPU):
-    their output tokens over their FLOPs at the rate W1's floor used plus their decode K/V reads at the read
-    bandwidth (arrivals left out: a light load's bound is its arrival ceiling). None without that rate."""
+    their output tokens over their FLOPs at the rate W1's floor used, decode attention at its K/V reads where they
+    take longer (arrivals left out: a light load's bound is its arrival ceiling). None without that rate."""
     f = floor_for(result, fmt)
     if not f or not f.get("floor_gflops") or not prompts:
         return None
     shape = model_shape(model)
-    p, o = np.asarray(prompts, dtype=np.float64), np.asarray(outputs, dtype=np.float64)
-    seconds = (request_flops(shape, p, o).sum() / (f["floor_gflops"] * 1e9)
-               + request_decode_keys(p, o).sum() * kv_bytes_per_key(shape, fmt) / result["bandwidth_Bps"]["read"])
-    return float(o.sum() / seconds)
+    cost = load_cost(shape, prompts, outputs)
+    return cost.out_tokens / cost.seconds(f["floor_gflops"], kv_bytes_per_key(shape, fmt),
+                                          result["bandwidth_Bps"]["read"])
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -239,7 +265,8 @@ def run(args) -> Report:
               "W1-sized step)."),
              (f"W1: {r['workload']['num']} requests, prompt {r['workload']['prompt_range']}, output "
               f"{r['workload']['output_range']} (expected lengths); attention FLOPs counted at the GEMM peak; the "
-              "floor with KV reads adds the decode steps' K/V bytes at the read bandwidth; the floor at the cores' "
+              "floor with KV reads takes decode attention at the longer of its FLOPs and its K/V reads at the read "
+              "bandwidth; the floor at the cores' "
               "peak counts the FLOPs at the instruction peak instead, where it beats every GEMM path (the "
               "instruction peak: every thread running the one instruction on registers, no loads).")]
     notes += [f"not available on this CPU: {name} ({why})" for name, why in r["refused"].items()]

@@ -122,7 +122,8 @@ def run(args) -> Report:
     llm = make_llm(args.dtype, seed=args.seed, **args.engine_args)
     reqs = random_requests(llm.engine.tokenizer, w["num"], w["prompt_range"], w["output_range"], seed=args.seed)
     engine_warmup(llm)
-    roof = None if args.no_roofline else roofline.measure(args.quick, w=w)
+    roof = None if args.no_roofline else roofline.measure(
+        args.quick, w=w, lengths=([r.prompt_len for r in reqs], [r.max_tokens for r in reqs]))
 
     a8_llm = None
     a8_possible = (llm.engine.forward_pass.model.quantization in ("gguf", "gguf-bf16")
@@ -235,14 +236,14 @@ def _report(args, w: dict, is_w1: bool, bs: int, budget: float | None, llm, reqs
         for row in rows:
             row.insert(-1, None if row[2] is None else 100 * row[2] / ceiling["w1_tok_s"])
         rows.append([f"roofline: W1 ceiling, {fmt}", None, ceiling["w1_tok_s"], None, None, None, 100.0,
-                     (f"W1's FLOPs at {ceiling['gemm_gflops']:.0f} GFLOP/s ({ceiling['gemm_path']}, measured in "
-                      "this run, best of several: see bench roofline)")])
+                     (f"these requests' FLOPs at {ceiling['gemm_gflops']:.0f} GFLOP/s ({ceiling['gemm_path']}, "
+                      "measured in this run, best of several: see bench roofline)")])
         if ceiling.get("w1_peak_tok_s"):
             rows.append([f"roofline: W1 floor at the cores' peak, {fmt}", None, ceiling["w1_peak_tok_s"], None, None,
                          None, 100 * ceiling["w1_peak_tok_s"] / ceiling["w1_tok_s"],
-                         f"W1's FLOPs at {ceiling['floor_gflops']:.0f} GFLOP/s (the "
-                         "instruction peak where it beats the GEMM path) plus its decode K/V reads at the measured "
-                         "bandwidth: no engine passes it on this CPU"])
+                         f"these requests' FLOPs at {ceiling['floor_gflops']:.0f} GFLOP/s (the instruction peak "
+                         "where it beats the GEMM path), decode attention at its K/V reads at the measured "
+                         "bandwidth where they take longer: no engine that runs a step's ops in turn passes it here"])
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
     mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
     eng = llm.engine.args

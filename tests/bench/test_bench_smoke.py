@@ -94,6 +94,7 @@ def test_throughput(outdir, capsys):
     assert ceiling[0].startswith("roofline: W1 ceiling") and "W1 ceiling" in d["tables"][0]["columns"][-2]
     assert rows[0][-2] == pytest.approx(100 * r["runs"][0]["output_tok_s"] / ceiling[2])
     assert rows[-1] == peak[0] and peak[0][2] > 0 and peak[0][-2] == pytest.approx(100 * peak[0][2] / ceiling[2])
+    assert r["roofline"]["requests_run"]  # the floors are of the requests this run sent, not W1's expected one
 
 
 def test_throughput_leaves_partial_results_when_cut_short(tmp_path, capsys, monkeypatch):

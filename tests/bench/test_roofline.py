@@ -40,52 +40,69 @@ def test_step_bytes_are_the_checkpoints_matrices(shape):
 def test_workload_flops_match_a_count_per_request(shape):
     c = shape.config
     w = {"prompt_range": (2, 4), "output_range": (1, 3)}
-    total, outs = 0.0, 0
+    total, attn, outs = 0.0, 0.0, 0
     pairs = [(p, o) for p in range(2, 5) for o in range(1, 4)]
     for p, o in pairs:
         positions = range(p + o - 1)  # the last output token is sampled, never fed back
         total += sum(2 * shape.layer_params() + 4 * c.num_layers * c.num_heads * c.head_dim * (t + 1)
                      for t in positions) + o * 2 * shape.head_params()
+        attn += sum(4 * c.num_layers * c.num_heads * c.head_dim * (t + 1) for t in positions[p:])  # fed-back ones
         outs += o
-    flops, out_tokens = roofline.workload_flops(shape, w)
-    assert flops == pytest.approx(total / len(pairs)) and out_tokens == pytest.approx(outs / len(pairs))
+    cost = roofline.workload_cost(shape, w)
+    assert cost.flops == pytest.approx(total) and cost.out_tokens == outs
+    assert cost.decode_attn_flops == pytest.approx(attn)
 
 
 def test_decode_keys_count_each_fed_back_tokens_context():
     w = {"prompt_range": (2, 4), "output_range": (1, 3)}
     pairs = [(p, o) for p in range(2, 5) for o in range(1, 4)]
     # output token i (0-based) is fed back for i < o - 1, at position p + i, and reads p + i + 1 keys
-    expected = sum(sum(p + i + 1 for i in range(o - 1)) for p, o in pairs) / len(pairs)
-    assert roofline.workload_decode_keys(w) == pytest.approx(expected)
+    expected = sum(sum(p + i + 1 for i in range(o - 1)) for p, o in pairs)
+    assert roofline.request_decode_keys(*roofline._length_grid(w)).sum() == pytest.approx(expected)
+
+
+def test_decode_attention_takes_the_longer_of_its_flops_and_its_reads():
+    """Not both: an op's loads overlap its arithmetic. Everything else runs at the FLOP rate."""
+    cost = roofline.LoadCost(flops=10e9, decode_attn_flops=2e9, decode_keys=1e6, out_tokens=100)
+    assert cost.seconds(1.0) == pytest.approx(10.0)  # FLOPs only: the ceiling
+    assert cost.seconds(1.0, 1000.0, 1e9) == pytest.approx(8.0 + 2.0)  # reads 1 s < attention's FLOPs 2 s
+    assert cost.seconds(1.0, 5000.0, 1e9) == pytest.approx(8.0 + 5.0)  # reads 5 s outlast them
+
+
+def _floor_s(cost: roofline.LoadCost, gflops: float, kv_s: float) -> float:
+    """The floor's seconds spelt out: FLOPs outside decode attention, then the longer of its FLOPs and reads."""
+    return (cost.flops - cost.decode_attn_flops) / (gflops * 1e9) + max(cost.decode_attn_flops / (gflops * 1e9), kv_s)
 
 
 def test_floors_divide_bandwidth_by_bytes_and_flops_by_the_formats_path(shape):
     paths = [GemmPath("a", "fp32", 100.0), GemmPath("b", "int8", 200.0), GemmPath("c", "fp32 on Q4_1", 50.0)]
     w = {"prompt_range": (10, 10), "output_range": (5, 5)}
-    rows = {r["format"]: r for r in roofline.floors(shape, {"read": 1e10}, paths, w)}
-    flops, outs = roofline.workload_flops(shape, w)
+    cost = roofline.workload_cost(shape, w)
+    rows = {r["format"]: r for r in roofline.floors(shape, {"read": 1e10}, paths, cost)}
+    flops, outs = cost.flops, cost.out_tokens
     assert rows["bf16"]["b1_tok_s"] == pytest.approx(1e10 / shape.step_bytes("bf16"))
     assert rows["gguf"]["gemm_path"] == "c" and rows["gguf-a8"]["gemm_path"] == "b"
     assert rows["gguf"]["w1_tok_s"] == pytest.approx(outs / (flops / 50e9))
     c = shape.config
-    kv_s = roofline.workload_decode_keys(w) * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 / 1e10  # fp32 pool
-    assert rows["gguf"]["w1_kv_tok_s"] == pytest.approx(outs / (flops / 50e9 + kv_s))
+    kv_s = cost.decode_keys * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 / 1e10  # fp32 pool
+    assert kv_s > cost.decode_attn_flops / 50e9  # decode attention is bound by its reads here
+    assert rows["gguf"]["w1_kv_tok_s"] == pytest.approx(outs / _floor_s(cost, 50.0, kv_s))
     assert rows["gguf"]["w1_kv_tok_s"] < rows["gguf"]["w1_tok_s"]
     assert rows["bf16"]["gemm_path"] is None and rows["bf16"]["w1_tok_s"] is None  # no bf16 path measured
     assert rows["gguf"]["w1_peak_tok_s"] == rows["gguf"]["w1_kv_tok_s"] and rows["gguf"]["peak_gflops"] is None
     # the cores' peak: fp32 FMAs bound the exact GGUF path too; a peak below the best path leaves the path's figure
     peaks = [GemmPath("fma", "fp32", 80.0), GemmPath("vdp", "bf16", 400.0), GemmPath("vnni", "int8", 150.0)]
-    rows = {r["format"]: r for r in roofline.floors(shape, {"read": 1e10}, paths, w, peaks)}
+    rows = {r["format"]: r for r in roofline.floors(shape, {"read": 1e10}, paths, cost, peaks)}
     assert rows["fp32"]["floor_gflops"] == 100.0 and rows["gguf"]["floor_gflops"] == 80.0
-    assert rows["gguf"]["peak_gflops"] == 80.0 and rows["gguf"]["w1_peak_tok_s"] == pytest.approx(outs / (flops / 80e9
-                                                                                                         + kv_s))
-    assert rows["fp32"]["w1_peak_tok_s"] == pytest.approx(outs / (flops / 100e9 + kv_s))  # path 100 > peak 80
+    assert rows["gguf"]["peak_gflops"] == 80.0
+    assert rows["gguf"]["w1_peak_tok_s"] == pytest.approx(outs / _floor_s(cost, 80.0, kv_s))
+    assert rows["fp32"]["w1_peak_tok_s"] == pytest.approx(outs / _floor_s(cost, 100.0, kv_s))  # path 100 > peak 80
     assert rows["gguf-a8"]["w1_peak_tok_s"] == rows["gguf-a8"]["w1_kv_tok_s"]  # path 200 > peak 150
     kv16 = kv_s / 2  # bf16 pool
     assert rows["bf16"]["w1_tok_s"] is None and rows["bf16"]["w1_peak_tok_s"] == pytest.approx(
-        outs / (flops / 400e9 + kv16))
+        outs / _floor_s(cost, 400.0, kv16))
     no_blocks = roofline.ModelShape(shape.config, {}, {})
-    assert [r["format"] for r in roofline.floors(no_blocks, {"read": 1e10}, paths, w)] == ["fp32", "bf16"]
+    assert [r["format"] for r in roofline.floors(no_blocks, {"read": 1e10}, paths, cost)] == ["fp32", "bf16"]
 
 
 def test_a_loads_floor_is_w1s_floor_when_its_requests_are_w1s_lengths(shape):
@@ -93,18 +110,32 @@ def test_a_loads_floor_is_w1s_floor_when_its_requests_are_w1s_lengths(shape):
     holding every (prompt, output) pair once has W1's floor; doubling every output adds its FLOPs and K/V reads."""
     w = {"prompt_range": (10, 13), "output_range": (4, 6)}
     paths, peaks = [GemmPath("a", "bf16", 300.0)], [GemmPath("vdp", "bf16", 400.0)]
-    result = {"floors": roofline.floors(shape, {"read": 2e10}, paths, w, peaks), "bandwidth_Bps": {"read": 2e10}}
+    result = {"floors": roofline.floors(shape, {"read": 2e10}, paths, roofline.workload_cost(shape, w), peaks),
+              "bandwidth_Bps": {"read": 2e10}}
     pairs = [(p, o) for p in range(10, 14) for o in range(4, 7)]
     prompts, outputs = [p for p, _ in pairs], [o for _, o in pairs]
     floor = roofline.load_floor_tok_s(result, "gguf-bf16", prompts, outputs)
     assert floor == pytest.approx(roofline.floor_for(result, "gguf-bf16")["w1_peak_tok_s"])
     longer = roofline.load_floor_tok_s(result, "gguf-bf16", prompts, [2 * o for o in outputs])
-    flops = roofline.request_flops(shape, np.array(prompts, float), np.array([2.0 * o for o in outputs])).sum()
-    keys = roofline.request_decode_keys(np.array(prompts, float), np.array([2.0 * o for o in outputs])).sum()
-    assert longer == pytest.approx(2 * sum(outputs) / (flops / 400e9 + keys * roofline.kv_bytes_per_key(
-        shape, "gguf-bf16") / 2e10))
+    cost = roofline.load_cost(shape, np.array(prompts, float), np.array([2.0 * o for o in outputs]))
+    assert cost.flops == pytest.approx(roofline.request_flops(
+        shape, np.array(prompts, float), np.array([2.0 * o for o in outputs])).sum())
+    kv_s = cost.decode_keys * roofline.kv_bytes_per_key(shape, "gguf-bf16") / 2e10
+    assert longer == pytest.approx(2 * sum(outputs) / _floor_s(cost, 400.0, kv_s))
     assert roofline.load_floor_tok_s(result, "gguf", prompts, outputs) is None  # no fp32 rate measured
     assert roofline.load_floor_tok_s(result, "gguf-bf16", [], []) is None
+
+
+def test_throughputs_floor_is_that_of_the_requests_it_ran(shape):
+    """A sample of W1 has its own share of output tokens: its floor is its requests', not the expected request's."""
+    paths, peaks = [GemmPath("a", "bf16", 300.0)], [GemmPath("vdp", "bf16", 400.0)]
+    prompts, outputs = [500, 40, 300], [20, 250, 100]
+    ran = roofline.floors(shape, {"read": 2e10}, paths, roofline.load_cost(shape, prompts, outputs), peaks)
+    expected = roofline.floors(shape, {"read": 2e10}, paths, roofline.workload_cost(shape, roofline.W1), peaks)
+    row, exp = roofline.floor_for({"floors": ran}, "bf16"), roofline.floor_for({"floors": expected}, "bf16")
+    assert row["w1_peak_tok_s"] == pytest.approx(roofline.load_floor_tok_s(
+        {"floors": ran, "bandwidth_Bps": {"read": 2e10}}, "bf16", prompts, outputs))
+    assert row["w1_peak_tok_s"] != pytest.approx(exp["w1_peak_tok_s"], rel=1e-3)
 
 
 @pytest.mark.skipif(not kernel_available(), reason="needs the C++ GEMM kernel (g++ with OpenMP)")
