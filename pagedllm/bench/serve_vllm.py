@@ -302,8 +302,9 @@ def report(runs: list[dict], cfg: dict, dtype: str, why_not: str | None, ours: s
              "tokenizing, the first token's hand-back, detokenizing, SSE)."]
     if any(floors.values()):
         notes.append("Floor at the cores' peak: the rate's requests' FLOPs at this CPU's instruction peak for our "
-                     "format's arithmetic (or its best GEMM path, where faster) plus their decode K/V reads at the "
-                     "read bandwidth (bench roofline, measured in this run); no norms, sampling, scheduling, HTTP.")
+                     "format's arithmetic (or its best GEMM path, where faster), decode attention at its K/V reads "
+                     "at the read bandwidth where they outlast its FLOPs (bench roofline, measured in this run); no "
+                     "norms, sampling, scheduling, HTTP.")
     if cpu_rows:
         notes.append("CPU seconds: the server's own process (HTTP, tokenizing, detokenizing, SSE), its descendants "
                      "(the engine core), and this bench's client, from the send of the first request to the end of "

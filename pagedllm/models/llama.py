@@ -20,6 +20,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.bf16_gemm import PackedBF16, onednn_bf16_available
 from pagedllm.models.config import ModelConfig
 from pagedllm.config.device import cpu_has_native_bf16
+from pagedllm.models import weight_arena
 from pagedllm.models.bf16_layers import FusedBF16Layers
 from pagedllm.models.decode_layer import FusedDecode
 from pagedllm.models.layers import (add_rms_norm_, apply_rope_, apply_rope_heads_, bf16_gemm_rows, linear,
@@ -249,6 +250,12 @@ class LlamaForCausalLM(nn.Module):
             return False
         self._map_matrices(torch.Tensor, PackedBF16.of)
         return True
+
+    def gather_weights(self) -> int:
+        """On the CPU: the matrices the kernels stream each step moved into one buffer on 2 MB pages
+        (``models/weight_arena.py``), after every packing. Returns the bytes moved."""
+        slots = [(self, "embed"), (self, "lm_head"), *((layer, a) for layer in self.layers for a in MATRICES)]
+        return weight_arena.gather_matrices(slots)
 
     def _map_matrices(self, kind: type, fn: Callable) -> None:
         """Replace the LM head and each layer matrix that is a ``kind`` by ``fn`` of it. The embedding, tied or not,

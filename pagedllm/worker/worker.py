@@ -92,7 +92,7 @@ class Worker:
                     quantization: str) -> tuple[LlamaForCausalLM, ModelConfig, int, list[int]]:
         """The model (or this rank's shard of it) on the device, its config, its KV heads on this rank, and the
         EOS ids of the config and the tokenizer together. On the CPU, dense bf16 matrices are prepacked for
-        oneDNN where it runs bf16 natively."""
+        oneDNN where it runs bf16 natively, and the matrices the kernels stream go into one buffer."""
         ckpt = load_checkpoint(name)
         cfg = ckpt.config
         if tp is not None:
@@ -105,6 +105,7 @@ class Worker:
             num_kv_heads = cfg.num_kv_heads
         if self.device.type == "cpu":
             model.prepack_bf16()
+            model.gather_weights()
         eos = list(cfg.eos_token_ids)
         tok_eos = ckpt.tokenizer.eos_token_id
         if tok_eos is not None and tok_eos not in eos:

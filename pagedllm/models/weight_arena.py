@@ -1,0 +1,75 @@
+"""A CPU model's weight matrices copied side by side into one buffer, which the kernel backs with 2 MB pages.
+
+torch asks for transparent huge pages only for allocations of 2 MB or more (``THP_MEM_ALLOC_ENABLE``, which
+``pagedllm/cpu_env.py`` sets), and most of a small model's matrices are smaller than that: SmolLM2-135M's GGUF
+blocks are 0.2-1.1 MB a matrix, its packed bf16 copies 0.7-3.5 MB. A batch-1 token reads all 96 MB of blocks,
+~24,000 pages of 4 KB against an L2 TLB of a few thousand entries; in one buffer they sit on 2 MB pages. Measured
+on a Zen 4 (2 cores; `pagedllm bench batch1 --rounds 4`, twice each way, alternating): exact 6.91 / 7.41 ms a
+token against 7.83 / 9.43 as loaded, gguf-a8 5.37 / 5.26 against 5.67 / 5.71 (llama.cpp 8.7-9.3 in all four
+runs). W1 (bf16 copies at 16-1,024 rows, bound by arithmetic) even: `bench compare` 0.994 over 3 rounds.
+``PAGEDLLM_WEIGHT_ARENA=0`` keeps them as loaded (A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import nn
+
+from pagedllm.models.bf16_gemm import PackedBF16
+from pagedllm.models.quant import QuantizedWeight
+
+ENABLED = os.environ.get("PAGEDLLM_WEIGHT_ARENA") != "0"
+# each tensor starts on a cache line, as torch's own allocations do (the kernels' aligned loads rely on no more)
+ALIGN = 64
+
+
+def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of contiguous CPU ``tensors``, each a view of the same dtype and shape into one new buffer."""
+    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+    out, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        if not (t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError(f"weight_arena.gather takes contiguous CPU tensors, got {t.device} strides {t.stride()}")
+        view = buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        offset += size
+    return out
+
+
+def _streamed(w: object) -> list[torch.Tensor]:
+    """The tensors of a matrix that the CPU kernels read: GGUF blocks (or gguf-a8's packing) and packed bf16 copies."""
+    if isinstance(w, QuantizedWeight):
+        return [w.data, *_streamed(w.bf16)]
+    if isinstance(w, PackedBF16) and w.amx is not None:
+        return [w.amx]
+    return []
+
+
+def _rebuilt(w: object, moved: dict[int, torch.Tensor]) -> object:
+    """``w`` over the moved copies of its tensors (``moved``: id of a tensor -> its copy)."""
+    if isinstance(w, QuantizedWeight):
+        return dataclasses.replace(w, data=moved[id(w.data)], bf16=w.bf16 and _rebuilt(w.bf16, moved))
+    return dataclasses.replace(w, amx=moved[id(w.amx)])
+
+
+def gather_matrices(slots: list[tuple[nn.Module, str]]) -> int:
+    """Move the block matrices and packed copies held at ``module.attr`` for each slot into one buffer. A tensor held
+    twice (a tied LM head's blocks, which the embedding reads too) moves once and stays shared. Returns the bytes
+    moved."""
+    if not ENABLED:
+        return 0
+    held = [(module, attr, getattr(module, attr)) for module, attr in slots]
+    tensors = {id(t): t for _, _, w in held for t in _streamed(w)}
+    if not tensors or any(t.device.type != "cpu" for t in tensors.values()):
+        return 0
+    moved = dict(zip(tensors, gather(list(tensors.values()))))
+    rebuilt: dict[int, object] = {}  # a matrix held at two slots (a tied head) stays one object
+    for module, attr, w in held:
+        if _streamed(w):
+            setattr(module, attr, rebuilt.setdefault(id(w), _rebuilt(w, moved)))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
