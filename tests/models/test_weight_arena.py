@@ -101,3 +101,13 @@ def test_the_engines_cpu_model_is_gathered_at_load():
     llm = LLM(dtype="float32", seed=0, num_blocks=16)
     model = llm.engine.forward_pass.model
     assert len({_base(t) for t in _streamed(model)}) == 1
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the GGUF block kernel")
+def test_a_separate_draft_model_is_gathered_too():
+    from pagedllm.models.loader import load_checkpoint, resolve_model_dir
+    from pagedllm.spec_decode.draft_model import load_draft
+
+    target = LlamaForCausalLM.from_checkpoint(load_checkpoint(None), torch.float32, "gguf")
+    draft = load_draft(resolve_model_dir(None), target)
+    assert draft.quantization == "gguf" and len({_base(t) for t in _streamed(draft)}) == 1
