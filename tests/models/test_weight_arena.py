@@ -85,6 +85,22 @@ def test_a_gathered_model_computes_the_same_bits(quantization):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="needs the GGUF block kernel")
+def test_the_heap_is_trimmed_once_the_old_copies_are_freed(monkeypatch):
+    """The old copies' memory can only go back to the OS once nothing holds them: by the time the heap is trimmed,
+    every one of them is gone."""
+    import weakref
+
+    from pagedllm.models.loader import load_checkpoint
+
+    model = LlamaForCausalLM.from_checkpoint(load_checkpoint(None), torch.float32, "gguf-bf16")
+    old = [weakref.ref(t) for t in _streamed(model)]
+    alive_at_trim = []
+    monkeypatch.setattr(weight_arena, "_trim_heap", lambda: alive_at_trim.append(sum(r() is not None for r in old)))
+    assert model.gather_weights() > 0
+    assert alive_at_trim == [0]
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the GGUF block kernel")
 def test_turned_off_it_moves_nothing(monkeypatch):
     from pagedllm.models.loader import load_checkpoint
 
