@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -84,14 +85,16 @@ def run(args) -> Report:
     for cond in CONDITIONS:
         for config in CONFIGS:
             vals = runs[cond][config]
-            rows.append([cond, config, sum(vals) / len(vals), min(vals), max(vals),
+            rows.append([cond, config, sum(vals) / len(vals), statistics.median(vals), min(vals), max(vals),
                          " / ".join(f"{v:.1f}" for v in vals), str(threads[cond][config])])
     notes = [(f"{os.cpu_count()} CPUs; {rounds} rounds, the configurations alternating, each a fresh process; "
               f"batch-1 decode of {tokens} tokens after a 32-token prompt; contended: a busy Python loop pinned on "
               f"CPU {max(os.sched_getaffinity(0))} for the whole run."),
              (f"1-minute load average at the start and after each round: {', '.join(f'{v:.1f}' for v in loads)} "
               "(other work on a shared machine counts as contention for the quiet runs too).")]
-    table = Table(["machine", "configuration", "mean tok/s", "min", "max", "runs", "adaptive threads at the end"],
+    # the median beside the mean: one run a neighbour disturbs moves a mean of five by several %
+    table = Table(["machine", "configuration", "mean tok/s", "median", "min", "max", "runs",
+                   "adaptive threads at the end"],
                   rows, "Batch-1 decode under OpenMP spin counts and the thread policy", 1)
     rep = Report("threads", "CPU threads on a shared machine: spin 10000 / 1000 adaptive, 10000 / 1000 / 100 fixed",
                  notes, [table])

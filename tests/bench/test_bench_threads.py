@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.bench import threads
 
 
@@ -35,3 +37,16 @@ def test_run_alternates_the_configurations_and_reports_each(tmp_path, capsys, mo
     rows = json.loads((tmp_path / "threads.json").read_text())["tables"][0]["rows"]
     assert len(rows) == len(threads.CONDITIONS) * len(threads.CONFIGS)
     assert "adaptive" in capsys.readouterr().out
+
+
+def test_the_median_stands_beside_the_mean(tmp_path, monkeypatch):
+    """One disturbed run moves the mean, not the median: both are in the table."""
+    from pagedllm.bench.cli import main
+
+    runs = iter([150.0, 100.0, 152.0] * 2 * len(threads.CONFIGS))
+    monkeypatch.setattr(threads, "measure", lambda *a: {"tok_s": next(runs), "threads_at_end": None, "spin": "x"})
+    monkeypatch.setattr(threads, "CONFIGS", {"only": threads.CONFIGS["spin 1000, fixed threads"]})
+    assert main(["threads", "--quick", "--rounds", "3", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "threads.json").read_text())["tables"][0]["rows"]
+    quiet = next(x for x in rows if x[0] == "quiet")
+    assert quiet[1:6] == ["only", pytest.approx((150 + 152 + 100) / 3), 150.0, 100.0, 152.0]
