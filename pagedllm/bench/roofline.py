@@ -98,13 +98,18 @@ def model_shape(model: str | None = None) -> ModelShape:
     return ModelShape(config, sizes, qtypes)
 
 
+def attention_flops_per_key(shape: ModelShape) -> float:
+    """FLOPs one query token spends on one key over every layer: QK and PV, 2 * 2 * heads * head_dim a layer."""
+    c = shape.config
+    return 4.0 * c.num_layers * c.num_heads * c.head_dim
+
+
 def request_flops(shape: ModelShape, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
     """FLOPs of requests with these prompt and output lengths: each prompt token and each output token but the last
     goes through the layers, each output token through the LM head, and the token at position t attends to t + 1
-    keys (QK and PV: 4 * heads * head_dim per key)."""
-    c = shape.config
+    keys."""
     tokens = prompt + output - 1
-    attn = 4.0 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
+    attn = attention_flops_per_key(shape) * tokens * (tokens + 1) / 2
     return 2.0 * shape.layer_params() * tokens + 2.0 * shape.head_params() * output + attn
 
 
@@ -144,11 +149,10 @@ class LoadCost:
 
 def load_cost(shape: ModelShape, prompt: np.ndarray, output: np.ndarray) -> LoadCost:
     """The cost of requests with these prompt and output lengths (arrays that broadcast together)."""
-    c = shape.config
     p, o = np.broadcast_arrays(np.asarray(prompt, dtype=np.float64), np.asarray(output, dtype=np.float64))
     keys = request_decode_keys(p, o).sum()
-    return LoadCost(float(request_flops(shape, p, o).sum()),
-                    float(4.0 * c.num_layers * c.num_heads * c.head_dim * keys), float(keys), float(o.sum()))
+    return LoadCost(float(request_flops(shape, p, o).sum()), attention_flops_per_key(shape) * float(keys),
+                    float(keys), float(o.sum()))
 
 
 def workload_cost(shape: ModelShape, w: dict) -> LoadCost:

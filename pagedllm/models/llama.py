@@ -254,17 +254,20 @@ class LlamaForCausalLM(nn.Module):
     def gather_weights(self) -> int:
         """On the CPU: the matrices the kernels stream each step moved into one buffer on 2 MB pages
         (``models/weight_arena.py``), after every packing. Returns the bytes moved."""
-        slots = [(self, "embed"), (self, "lm_head"), *((layer, a) for layer in self.layers for a in MATRICES)]
-        return weight_arena.gather_matrices(slots)
+        return weight_arena.gather_matrices([(self, "embed"), *self._matrix_slots()])
 
     def _map_matrices(self, kind: type, fn: Callable) -> None:
         """Replace the LM head and each layer matrix that is a ``kind`` by ``fn`` of it. The embedding, tied or not,
         keeps its rows for lookups."""
-        for module, attr in [(self, "lm_head"), *((layer, a) for layer in self.layers for a in MATRICES)]:
+        for module, attr in self._matrix_slots():
             w = getattr(module, attr)
             if isinstance(w, kind):
                 delattr(module, attr)  # a registered parameter can only be replaced by another one
                 setattr(module, attr, fn(w))
+
+    def _matrix_slots(self) -> list[tuple[nn.Module, str]]:
+        """Where the LM head and each layer matrix are held: (module, attribute)."""
+        return [(self, "lm_head"), *((layer, a) for layer in self.layers for a in MATRICES)]
 
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face parameter names (``model.layers.N.self_attn.q_proj.weight`` ...),

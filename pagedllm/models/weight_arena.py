@@ -44,10 +44,10 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _streamed(w: object) -> list[torch.Tensor]:
+def streamed_tensors(w: object) -> list[torch.Tensor]:
     """The tensors of a matrix that the CPU kernels read: GGUF blocks (or gguf-a8's packing) and packed bf16 copies."""
     if isinstance(w, QuantizedWeight):
-        return [w.data, *_streamed(w.bf16)]
+        return [w.data, *streamed_tensors(w.bf16)]
     if isinstance(w, PackedBF16) and w.amx is not None:
         return [w.amx]
     return []
@@ -66,19 +66,24 @@ def gather_matrices(slots: list[tuple[nn.Module, str]]) -> int:
     moved."""
     if not ENABLED:
         return 0
+    nbytes = _move(slots)
+    if nbytes:  # the old copies went with _move's frame: their pages back to the OS
+        _trim_heap()
+    return nbytes
+
+
+def _move(slots: list[tuple[nn.Module, str]]) -> int:
+    """:func:`gather_matrices`' copy and swap; the old copies are unreferenced once it returns."""
     held = [(module, attr, getattr(module, attr)) for module, attr in slots]
-    tensors = {id(t): t for _, _, w in held for t in _streamed(w)}
+    tensors = {id(t): t for _, _, w in held for t in streamed_tensors(w)}
     if not tensors or any(t.device.type != "cpu" for t in tensors.values()):
         return 0
     moved = dict(zip(tensors, gather(list(tensors.values()))))
     rebuilt: dict[int, object] = {}  # a matrix held at two slots (a tied head) stays one object
     for module, attr, w in held:
-        if _streamed(w):
+        if streamed_tensors(w):
             setattr(module, attr, rebuilt.setdefault(id(w), _rebuilt(w, moved)))
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    del held, tensors, w  # the old copies go with the last references to them...
-    _trim_heap()  # ...and their pages back to the OS
-    return nbytes
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _trim_heap() -> None:

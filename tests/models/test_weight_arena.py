@@ -9,10 +9,9 @@ import torch
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.kv.kv_cache import KVCache
 from pagedllm.models import weight_arena
-from pagedllm.models.bf16_gemm import PackedBF16
 from pagedllm.models.forward_pass import ForwardPass
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.quant import MATRICES, QuantizedWeight, kernel_available
+from pagedllm.models.quant import MATRICES, kernel_available
 
 
 def _base(t: torch.Tensor) -> int:
@@ -35,14 +34,9 @@ def test_gather_copies_each_tensor_into_one_aligned_buffer():
 
 
 def _streamed(model: LlamaForCausalLM) -> list[torch.Tensor]:
-    out = []
-    for w in [model.embed, model.lm_head, *(getattr(layer, a) for layer in model.layers for a in MATRICES)]:
-        if isinstance(w, QuantizedWeight):
-            out.append(w.data)
-            w = w.bf16
-        if isinstance(w, PackedBF16) and w.amx is not None:
-            out.append(w.amx)
-    return out
+    """Every streamed tensor of the model's embedding, LM head and layer matrices, slot by slot."""
+    slots = [model.embed, model.lm_head, *(getattr(layer, a) for layer in model.layers for a in MATRICES)]
+    return [t for w in slots for t in weight_arena.streamed_tensors(w)]
 
 
 def _greedy_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> torch.Tensor:
@@ -80,6 +74,12 @@ def test_a_gathered_model_computes_the_same_bits(quantization):
     shared = [[a is b for b in before] for a in before]  # a tied head reads the embedding's blocks: still shared
     assert [[a is b for b in after] for a in after] == shared
     assert (gathered.lm_head is gathered.embed) == (loaded.lm_head is loaded.embed)
+    base = _base(after[0])
+    for layer in (gathered.layers[0], gathered.layers[-1]):  # blocks (or a8's packing) and a packed bf16 copy
+        assert _base(layer.qkv_weight.data) == _base(layer.down_weight.data) == base
+        copy = layer.gate_up_weight.bf16
+        assert (copy is None) == (quantization != "gguf-bf16")
+        assert copy is None or copy.amx is None or _base(copy.amx) == base
     prompt = ckpt.tokenizer("The capital of France is")["input_ids"]
     assert torch.equal(_greedy_logits(gathered, prompt, 6), _greedy_logits(loaded, prompt, 6))
 
