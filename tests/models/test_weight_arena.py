@@ -111,12 +111,25 @@ def test_turned_off_it_moves_nothing(monkeypatch):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="needs the GGUF block kernel")
-def test_the_engines_cpu_model_is_gathered_at_load():
-    from pagedllm import LLM
+def test_the_engines_cpu_model_is_gathered_at_load_and_generates_what_it_did_before(monkeypatch):
+    """An engine's model is gathered by its worker; its batch of greedy outputs (batch-1 steps at the end, as the
+    requests finish) are those of an engine whose matrices stay as loaded, and the pool is whole and empty after."""
+    from pagedllm import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", seed=0, num_blocks=16)
-    model = llm.engine.forward_pass.model
-    assert len({_base(t) for t in _streamed(model)}) == 1
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(40, 70))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 8)]
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(weight_arena, "ENABLED", on)
+        llm = LLM(dtype="float32", seed=0, num_blocks=16)
+        try:
+            assert (len({_base(t) for t in _streamed(llm.engine.forward_pass.model)}) == 1) == on
+            outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            llm.engine.kv.check_integrity()
+            assert llm.engine.kv.stats()["used"] == 0
+        finally:
+            llm.engine.shutdown()
+    assert outs[True] == outs[False] and [len(o) for o in outs[True]] == [12, 5, 8]
 
 
 @pytest.mark.skipif(not kernel_available(), reason="needs the GGUF block kernel")
