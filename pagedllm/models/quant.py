@@ -16,11 +16,11 @@ the fp32 model by the activation rounding (~0.5% per output; perplexity within ~
 
 ``quantization="gguf-bf16"`` (what ``auto`` picks for a GGUF model on a CPU with native bf16: AVX512-BF16 or AMX)
 chooses the format per step shape. Each matrix keeps its blocks and also a bf16 copy prepacked for oneDNN
-(``models/bf16_gemm.py``): GEMMs of fewer than ``BF16_MIN_ROWS`` rows (decode steps, the fused batch-1 layer) read
-the blocks exactly as ``"gguf"`` does, larger ones (prefill, big decode batches) run as bf16 GEMMs on the AMX/BF16
-units, ~4-10x the fp32 kernel's rate there. At one row the blocks won on an AMX Xeon, weights out of cache: the
-layers' GEMVs 10 ms a step against 18 ms for their bf16 copies, the Q8_0 LM head 2.5 ms against 3.0 ms. Activations
-stay fp32; only the large GEMMs' inputs are rounded to bf16 (HF bf16 rounds every activation).
+(``models/bf16_gemm.py``): GEMMs of fewer than ``BF16_MIN_ROWS`` rows (the fused batch-1 layer; on AMX Xeons small
+decode steps too) read the blocks exactly as ``"gguf"`` does, larger ones (prefill, decode batches) run as bf16
+GEMMs on the AMX/BF16 units, ~4-10x the fp32 kernel's rate there. At one row the blocks won on an AMX Xeon, weights
+out of cache: the layers' GEMVs 10 ms a step against 18 ms for their bf16 copies, the Q8_0 LM head 2.5 ms against
+3.0 ms. Activations stay fp32; only the large GEMMs' inputs are rounded to bf16 (HF bf16 rounds every activation).
 """
 
 from __future__ import annotations
@@ -31,15 +31,26 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm import ops
+from pagedllm.config.device import cpu_has_amx_bf16, cpu_has_native_bf16
 from pagedllm.models.bf16_gemm import PackedBF16, bf16_linear
 from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, QUANT_NAMES
 
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
 QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8", "gguf-bf16")
-# gguf-bf16: GEMMs of at least this many rows take the bf16 copy (below it the block kernel streams fewer bytes and
-# ran faster on an AMX Xeon: 1-4 rows 1.5-3x, 8 rows even; from 16 rows the bf16 GEMM led 1.5-4x)
-BF16_MIN_ROWS = int(os.environ.get("PAGEDLLM_BF16_MIN_ROWS", "8"))
+# gguf-bf16: GEMMs of at least this many rows take the bf16 copy, fewer read the blocks (exact fp32), per CPU class:
+# - AMX Xeon: the block kernel streams fewer bytes and ran faster at 1-4 rows (1.5-3x), 8 rows even; from 16 rows the
+#   bf16 GEMM led 1.5-4x. So 8 there, and on CPUs where bf16 is emulated (gguf-bf16 is not `auto` there).
+# - AVX512-BF16 without tiles (Zen 4 / 5, VDPBF16PS): the copy from 2 rows. W1's prompts, decode steps, medians, Zen 4:
+#   2 rows 10.7-12.5 ms a step against 11.4-15.3 (3 alternations), 5 rows 12.2-12.6 against 16.6-20.8, 7 rows
+#   12.8-13.4 against 19.9-24.0: the blocks' fp32 FMAs unpacking Q4_1 bound them, the copy's VDPBF16PS streams.
+#   One row (the fused batch-1 layers) stays on the blocks.
+def default_bf16_min_rows() -> int:
+    """``BF16_MIN_ROWS`` for this CPU class (why: the comment above)."""
+    return 2 if cpu_has_native_bf16() and not cpu_has_amx_bf16() else 8
+
+
+BF16_MIN_ROWS = int(os.environ.get("PAGEDLLM_BF16_MIN_ROWS", default_bf16_min_rows()))
 # the weight matrices of a decoder layer (dense tensors or GGUF blocks)
 MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 # batch-1 GEMVs through ops/csrc/gemv.cpp (block scales factored out: 1.1-1.5x less CPU time, fp32 rounding apart

@@ -6,6 +6,9 @@ are plain bf16 matrices run by ``F.linear``: the same arithmetic, so every asser
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,6 +47,21 @@ def test_bf16_linear_is_a_bf16_gemm_in_the_activations_dtype():
     yb = bf16_linear(x.bfloat16(), p)  # bf16 activations stay bf16
     assert yb.dtype == torch.bfloat16
     torch.testing.assert_close(yb, F.linear(x.bfloat16(), w.bfloat16()), rtol=0, atol=0)
+
+
+def test_bf16_min_rows_per_cpu_class(monkeypatch):
+    """The copy from 2 rows on AVX512-BF16 CPUs without tiles (VDPBF16PS beat the blocks there), from 8 on AMX Xeons
+    and where bf16 is emulated; PAGEDLLM_BF16_MIN_ROWS wins over both."""
+    from pagedllm.models import quant
+
+    for native, amx, rows in ((True, False, 2), (True, True, 8), (False, False, 8)):
+        monkeypatch.setattr(quant, "cpu_has_native_bf16", lambda n=native: n)
+        monkeypatch.setattr(quant, "cpu_has_amx_bf16", lambda a=amx: a)
+        assert quant.default_bf16_min_rows() == rows
+    code = "from pagedllm.models.quant import BF16_MIN_ROWS; print(BF16_MIN_ROWS)"
+    env = {**os.environ, "PAGEDLLM_BF16_MIN_ROWS": "5"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "5"
 
 
 def test_block_matrix_takes_its_bf16_copy_from_min_rows(ckpt):

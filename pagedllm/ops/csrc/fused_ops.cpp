@@ -1,6 +1,6 @@
 // Fused elementwise ops of a Llama decoder layer, for fp32 activations on x86 CPUs with AVX2.
 //
-// Where the next GEMM runs on bf16 weights (quantization="gguf-bf16" from 8 rows up), the norm and the MLP
+// Where the next GEMM runs on bf16 weights (quantization="gguf-bf16" from BF16_MIN_ROWS rows up), the norm and the MLP
 // activation write their output rounded to bf16 (`bf16_out`), and the residual add and the activation read the
 // bf16 outputs of the GEMMs before them: the same values as rounding and widening with separate ATen casts (round
 // to nearest even, like c10::BFloat16), without the casts' passes over memory and their parallel regions.
