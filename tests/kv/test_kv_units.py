@@ -188,6 +188,10 @@ def test_kv_cache_layout_copies_and_swap() -> None:
     c.swap_in([(0, 1), (2, 3)])
     assert torch.equal(blk(c.data, 1), blk(before, 1)) and torch.equal(blk(c.data, 3), blk(before, 2))
     c.copy_blocks([])
+    now = c.data.clone()
+    c.copy_blocks([(3, 0), (0, 3), (2, 5)])  # a swap of two blocks (each reads the other's old content) and a copy
+    assert torch.equal(blk(c.data, 0), blk(now, 3)) and torch.equal(blk(c.data, 3), blk(now, 0))
+    assert torch.equal(blk(c.data, 5), blk(now, 2)) and torch.equal(blk(c.data, 2), blk(now, 2))
 
 
 def test_kv_cache_sizing() -> None:
