@@ -13,13 +13,13 @@ oneDNN's prepacked copies (prefill GEMMs of more than 1,024 rows) are opaque ten
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 
 import torch
 from torch import nn
 
+from pagedllm.config.host_memory import trim_heap
 from pagedllm.models.bf16_gemm import PackedBF16
 from pagedllm.models.quant import QuantizedWeight
 
@@ -67,8 +67,11 @@ def gather_matrices(slots: list[tuple[nn.Module, str]]) -> int:
     if not ENABLED:
         return 0
     nbytes = _move(slots)
-    if nbytes:  # the old copies went with _move's frame: their pages back to the OS
-        _trim_heap()
+    # the old copies went with _move's frame. They were mostly under glibc's mmap threshold, so their pages stayed in
+    # the heap: an engine on SmolLM2 in gguf-bf16 held 1,384 MB of RSS untrimmed, 1,128 trimmed, 1,170 as loaded (its
+    # peak, both copies at once, 1,981 against 1,692)
+    if nbytes:
+        trim_heap()
     return nbytes
 
 
@@ -85,13 +88,3 @@ def _move(slots: list[tuple[nn.Module, str]]) -> int:
             setattr(module, attr, rebuilt.setdefault(id(w), _rebuilt(w, moved)))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
-
-def _trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). The old copies were
-    mostly under glibc's mmap threshold, so freeing them left their pages in the heap: an engine on SmolLM2 in
-    gguf-bf16 held 1,384 MB of RSS without the trim, 1,128 with it, 1,170 as loaded (its peak, both copies at
-    once, 1,981 against 1,692)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -95,7 +95,7 @@ def test_the_heap_is_trimmed_once_the_old_copies_are_freed(monkeypatch):
     model = LlamaForCausalLM.from_checkpoint(load_checkpoint(None), torch.float32, "gguf-bf16")
     old = [weakref.ref(t) for t in _streamed(model)]
     alive_at_trim = []
-    monkeypatch.setattr(weight_arena, "_trim_heap", lambda: alive_at_trim.append(sum(r() is not None for r in old)))
+    monkeypatch.setattr(weight_arena, "trim_heap", lambda: alive_at_trim.append(sum(r() is not None for r in old)))
     assert model.gather_weights() > 0
     assert alive_at_trim == [0]
 
