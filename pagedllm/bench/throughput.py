@@ -138,7 +138,11 @@ def run(args) -> Report:
         engine_warmup(a8_llm)
     model = llm.engine.forward_pass.model
     exact_llm = None
-    if args.exact and not (model.act_dtype == torch.float32 and model.quantization in ("gguf", "none")):
+    # exact = fp32 weights, activations and pool: a bf16 engine on a CPU without native bf16 runs fp32 GEMMs
+    # (upcast) and its GGUF blocks, but keeps bf16 norms, embeddings and K/V, so it is not the exact path
+    exact_already = (model.dtype == model.act_dtype == llm.engine.forward_pass.kv_cache.dtype == torch.float32
+                     and model.quantization in ("gguf", "none"))
+    if args.exact and not exact_already:
         exact_llm = make_llm("float32", seed=args.seed, **args.engine_args)
         engine_warmup(exact_llm)
     extras = {n: e for n, e in ((A8_NAME, a8_llm), (EXACT_NAME, exact_llm)) if e is not None}
