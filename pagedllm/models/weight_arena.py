@@ -57,7 +57,8 @@ def _rebuilt(w: object, moved: dict[int, torch.Tensor]) -> object:
     """``w`` over the moved copies of its tensors (``moved``: id of a tensor -> its copy)."""
     if isinstance(w, QuantizedWeight):
         return dataclasses.replace(w, data=moved[id(w.data)], bf16=w.bf16 and _rebuilt(w.bf16, moved))
-    return dataclasses.replace(w, amx=moved[id(w.amx)])
+    # a bf16 copy that was not packed for our kernel (its plain tensor; oneDNN's own packing) did not move
+    return w if w.amx is None else dataclasses.replace(w, amx=moved[id(w.amx)])
 
 
 def gather_matrices(slots: list[tuple[nn.Module, str]]) -> int:

@@ -56,12 +56,18 @@ def _greedy_logits(model: LlamaForCausalLM, prompt: list[int], steps: int) -> to
 
 
 @pytest.mark.skipif(not kernel_available(), reason="needs the GGUF block kernel")
-@pytest.mark.parametrize("quantization", ["gguf", "gguf-bf16", "gguf-a8"])
-def test_a_gathered_model_computes_the_same_bits(quantization):
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-bf16", "gguf-bf16 unpacked", "gguf-a8"])
+def test_a_gathered_model_computes_the_same_bits(quantization, monkeypatch):
+    """``gguf-bf16 unpacked``: bf16 copies without our kernel's packing, as on a CPU without native bf16 (Zen 3),
+    where the copy is a plain bf16 matrix that stays where it is."""
+    from pagedllm.models import bf16_gemm
     from pagedllm.models.loader import load_checkpoint
 
     if quantization == "gguf-a8" and not kernel_available(int8_activations=True):
         pytest.skip("needs the int8 kernel")
+    if quantization == "gguf-bf16 unpacked":
+        monkeypatch.setattr(bf16_gemm, "packed_copy_available", lambda: False)
+        quantization = "gguf-bf16"
     ckpt = load_checkpoint(None)
     loaded = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, quantization)
     gathered = LlamaForCausalLM.from_checkpoint(ckpt, torch.float32, quantization)
