@@ -105,8 +105,8 @@ struct Scales {
 
 constexpr int64_t CHUNK = 64;
 
-// The next chunk's K/V lines, issued a few at a time from inside the score and P@V loops (see run_items; only
-// AVX-512 builds fill it). Into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few L1 fill
+// The next chunk's K/V lines, issued a few at a time from inside the score and P@V loops (see run_items; AVX-512
+// and AVX2 builds fill it). Into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few L1 fill
 // buffers until its line arrives, and the chunk's own loads queue behind them (W1's decode shape with scattered
 // blocks, Zen 4: 23.4 -> 20.4 ms for 30 layers).
 constexpr int PF_LINES = 2048;  // a chunk's K and V rows of up to 1 KB each (fp32 at head_dim 256)
@@ -518,11 +518,12 @@ inline void scores_block(const float* Q, int64_t R, const T* const* K, const flo
 #ifdef __AVX2__
   if (D % 8 == 0) {
     const __m128 sc = _mm_set1_ps(scale);
-    for (; r + 3 <= R; r += 3) {
+    for (; r + 3 <= R; r += 3, pf = nullptr) {
       const float *q0 = Q + r * D, *q1 = q0 + D, *q2 = q1 + D;
       float *s0 = S + r * CHUNK, *s1 = s0 + CHUNK, *s2 = s1 + CHUNK;
       int64_t o = 0;
       for (; o + 4 <= n; o += 4) {
+        if (pf) pf->issue(pf->per_scores);
         const T *k0 = K[o], *k1 = K[o + 1], *k2 = K[o + 2], *k3 = K[o + 3];
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
@@ -591,11 +592,12 @@ inline void pv_block(const float* P, int64_t R, const T* const* V, int64_t n, in
     for (; r + 3 <= R; r += 3) {
       const float *p0 = P + r * CHUNK, *p1 = p0 + CHUNK, *p2 = p1 + CHUNK;
       float* a = A + r * D;
-      for (int64_t d = 0; d < D; d += 32) {
+      for (int64_t d = 0; d < D; d += 32, pf = nullptr) {
         __m256 c[3][4];
         for (int i = 0; i < 3; ++i)
           for (int j = 0; j < 4; ++j) c[i][j] = _mm256_loadu_ps(a + i * D + d + 8 * j);
         for (int64_t o = 0; o < n; ++o) {  // 12 accumulators + 3 weights + 1 V vector: the 16 registers
+          if (pf) pf->issue(pf->per_pv);
           const T* vr = V[o] + d;
           const __m256 w0 = _mm256_set1_ps(p0[o]), w1 = _mm256_set1_ps(p1[o]), w2 = _mm256_set1_ps(p2[o]);
           for (int j = 0; j < 4; ++j) {
@@ -755,6 +757,9 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
     PrefetchQueue pfq;
 #ifdef __AVX512F__
     const bool spread = D % 16 == 0 && 2 * CHUNK * ((ks1 * static_cast<int64_t>(sizeof(kvscalar_t)) + 63) / 64) <= PF_LINES;
+#elif defined(__AVX2__)  // the AVX2 score and P@V blocks (3 rows) take the queue from D % 32 == 0
+    const bool spread =
+        D % 32 == 0 && 2 * CHUNK * ((ks1 * static_cast<int64_t>(sizeof(kvscalar_t)) + 63) / 64) <= PF_LINES;
 #else
     const bool spread = false;
 #endif
@@ -798,13 +803,15 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
         // over consecutive blocks 45% slower, every block that starts a page still 23%; with no prefetch at all,
         // scattered blocks took 36% (int8) and 14% (fp32) longer, consecutive fp32 blocks 15%.
         // (blocks are walked from the chunk's first: one 64-bit division per chunk, not one per block or key)
-        // AVX-512 paths (`spread`): the lines are queued and issued a few per score step and per P@V key instead of
-        // all at once. A burst of 256 prefetches (bf16, head_dim 64) waits on the core's ~16 line-fill buffers, so
-        // the chunk's compute only started once most of the next chunk was in flight: perf put 87% of the loop's
-        // own samples on the prefetch instructions. Spread (K and V lines interleaved, half over each loop), the
+        // AVX-512 and AVX2 paths (`spread`): the lines are queued and issued a few per score step and per P@V key
+        // instead of all at once. A burst of 256 prefetches (bf16, head_dim 64) waits on the core's ~16 line-fill
+        // buffers, so the chunk's compute only started once most of the next chunk was in flight: perf put 87% of the
+        // loop's own samples on the prefetch instructions. Spread (K and V lines interleaved, half over each loop), the
         // W1 decode shape (64 sequences x 400 keys, 30 layers' bf16 pools, 2 threads, AMX Xeon) went from 39.3 to
         // 32.4 ms (touching the lines alone: 25 ms; all in the score or all in the P@V loop: 36 ms; K lines first:
-        // 37-40 ms).
+        // 37-40 ms). The AVX2 loops too since session 32 (Zen 3, fp32 pool, 2 threads, attend_qkv a step over 30
+        // layers, spread vs burst alternating in one process: 64 sequences x 400 keys 53.7 vs 75.2 ms, 16 x 150 6.5
+        // vs 8.9, one sequence of 1,500 5.8 vs 8.1).
         // The last chunk prefetches the first chunk of the thread's next item instead (its blocks are cold: an
         // item of a W1 decode is 5-7 chunks).
         const Item* ahead = c0 + CHUNK >= kv_end ? next : nullptr;  // the item whose first chunk comes next, if not w's
