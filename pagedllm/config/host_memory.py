@@ -45,7 +45,6 @@ def keep_freed_memory() -> bool:
     return mmap_set and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
-
 def trim_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing): after a one-off move
     of many blocks under the mmap threshold (``models/weight_arena.py``), which the settings above otherwise keep."""
