@@ -3,9 +3,10 @@
 Every part is timed by wrapping the function that does it, in this process, and charged its **exclusive** wall and CPU
 time: a part called inside another (a GEMM inside a decoder layer) counts for itself, not for its caller, so the
 parts add up to the steps' time and "other" is what no part covers. Opaque parts (the LM head, the sampler, the
-batch-1 fused layers) are timed whole: nothing inside them is split out. The fused call of several gguf-bf16 rows
-(``models/bf16_layers.py``) is turned off while timing, so that its layers' ops are split: the same ops, with the
-Python between them that the call saves (~1.5-2 ms of a 36-row decode step on a Zen 4) counted as glue.
+batch-1 fused layers) are timed whole: nothing inside them is split out. The fused calls of several rows
+(``models/decode_layer.py``, and ``models/bf16_layers.py`` for gguf-bf16) are turned off while timing, so that their
+layers' ops are split: the same ops, with the Python between them that the calls save (~1.5-2 ms of a 36-row decode
+step on a Zen 4) counted as glue.
 
 Attention is timed in two calls per layer, the decode rows and then the prefill chunks, through the backend's own
 routing (the paged kernel's work items as in the one ``attend_qkv`` call it replaces, SDPA or the AMX kernel for long
@@ -152,10 +153,12 @@ def timed_parts(timers: ExclusiveTimers, backend) -> Iterator[None]:
             fn = getattr(owner, attr)
             patch(owner, attr, timers.wrap_gemm(fn, label) if label in GEMM_PARTS else timers.wrap(fn, label, opaque))
         from pagedllm.frontend.llm_engine import LLMEngine
-        from pagedllm.models import bf16_layers
+        from pagedllm.models import bf16_layers, decode_layer
 
         patch(LLMEngine, "step", timers.wrap(LLMEngine.step, STEP, False))
         patch(bf16_layers, "FUSED", False)
+        one_row = decode_layer.FusedDecode.applies
+        patch(decode_layer.FusedDecode, "applies", lambda self, h, *a: h.shape[0] == 1 and one_row(self, h, *a))
         if getattr(backend, "name", None) == "cpu" and backend.sdpa_prefill_min_len is None:
             backend.forward_qkv = timers.attention_split(backend)
             stack.callback(delattr, backend, "forward_qkv")  # the class's method again

@@ -1,22 +1,26 @@
-"""A model's batch-1 decode step through its decoder layers as one C++ call (``ops/csrc/decode_layer.cpp``), where
-it applies.
+"""A model's step through its decoder layers as one C++ call (``ops/csrc/decode_layer.cpp``, named for the batch-1
+decode step it was first written for), where it applies: decode steps, and prefill chunks on the paged kernel.
 
 At batch 1 a layer is nine small ops; the Python between them (the wrappers' checks, nine trips through
 ``torch.ops``) cost about a quarter of the layer's kernel time, and with a call a layer the layer loop, the checks
-and each call's 27 arguments still cost ~1 ms of a ~10 ms token (Zen 4, 2 threads). The fused call runs the same
-ops in the same order (bit-identical results), so it applies only where the per-op path would call exactly those
-ops: one fp32 token on the CPU, GGUF block matrices (``quantization="gguf"`` with the batch-1 GEMV, or
-``"gguf-a8"`` packed) in every layer, the CPU attention backend without its SDPA prefill, no q/k norm or biases, no
-LoRA and no tensor parallelism. ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
+and each call's 27 arguments still cost ~1 ms of a ~10 ms token (Zen 4, 2 threads). A decode step of several rows
+pays the same Python a layer. The fused call runs the same ops in the same order (bit-identical results), so it
+applies only where the per-op path would call exactly those ops: fp32 rows on the CPU, GGUF block matrices
+(``quantization="gguf"``: the batch-1 GEMV for one row, gemm.cpp for more; or ``"gguf-a8"`` packed) in every layer,
+none of them on a bf16 copy at this step's rows (gguf-bf16 from its ``min_rows``: ``bf16_layers.py``), every
+sequence of the step on the CPU backend's paged kernel (no prefill chunk for SDPA or the AMX kernel), no q/k norm
+or biases, no LoRA and no tensor parallelism. ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
 
-On more than one thread the call runs the layers in one OpenMP parallel region (the GEMVs split by rows over the
-team, the phases handed over through atomic counters, not barriers) instead of a region per GEMV and in attention:
-the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region per op (A/B benchmarks).
+For one row on more than one thread the call runs the layers in one OpenMP parallel region (the GEMVs split by rows
+over the team, the phases handed over through atomic counters, not barriers) instead of a region per GEMV and in
+attention: the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region per op (A/B
+benchmarks). Several rows run op by op, each op with its own parallel regions.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -43,15 +47,19 @@ def _layer_gemv(layer: nn.Module) -> str | None:
     return None if any(m.int8_activations for m in w) else "gemv"
 
 
-def _step_applies(gemv: str | None, h: torch.Tensor, backend) -> bool:
-    """Whether this step (one fp32 CPU token, the CPU backend) runs layers of that GEMV kind fused."""
-    if gemv is None or not (FUSED and h.shape[0] == 1 and h.dtype == torch.float32 and h.is_cpu):
+def _step_applies(gemv: str, max_rows: int, h: torch.Tensor, backend, kv_cache, meta) -> bool:
+    """Whether this step (fp32 CPU rows below ``max_rows``, every sequence on the CPU backend's paged kernel) runs
+    layers of that GEMM kind fused."""
+    rows = h.shape[0]
+    if not (FUSED and 1 <= rows < max_rows and h.dtype == torch.float32 and h.is_cpu):
         return False
-    if getattr(backend, "name", None) != "cpu" or backend.sdpa_prefill_min_len is not None:
+    if gemv == "gemv" and rows == 1 and not quant.FACTORED_GEMV:  # the bit-exact GEMVs: the per-op path
         return False
-    if gemv == "gemv" and not quant.FACTORED_GEMV:  # the bit-exact GEMVs: the per-op path
+    if getattr(backend, "name", None) != "cpu" or not backend.kernel_only(kv_cache.layer(0)[0], meta):
         return False
-    return bool(ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv))
+    if not (ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv)):
+        return False
+    return gemv != "gemv" or ops.load("gemm")  # (quant_linear: several rows)
 
 
 class LayerArgs:
@@ -81,7 +89,8 @@ class LayerArgs:
 
 class FusedDecode(LayerArgs):
     """A model's layers as the fused call takes them: their norms, matrices and formats, gathered once (at the
-    first batch-1 step) with the GEMV kind they share (None where a layer needs the per-op path)."""
+    first step) with the GEMM kind they share (None where a layer needs the per-op path), and the rows from
+    which a matrix's GEMM runs on its bf16 copy instead (``max_rows``)."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
         kinds = {_layer_gemv(layer) for layer in layers}
@@ -93,16 +102,18 @@ class FusedDecode(LayerArgs):
         self.matrices = [[getattr(layer, attr).data for layer in layers] for attr in MATRICES]
         self.qtypes = [getattr(layer, attr).qtype for layer in layers for attr in MATRICES]
         self.rows = [getattr(first, attr).shape[0] for attr in MATRICES]
+        self.max_rows = min((m.bf16.min_rows for layer in layers for attr in MATRICES
+                             if (m := getattr(layer, attr)).bf16 is not None), default=sys.maxsize)
         self.int8_activations = getattr(first, MATRICES[0]).int8_activations
 
-    def applies(self, h: torch.Tensor, backend) -> bool:
+    def applies(self, h: torch.Tensor, backend, kv_cache, meta) -> bool:
         """Whether this step's call computes what the layers' per-op forwards would (see the module docstring)."""
-        return _step_applies(self.gemv, h, backend)
+        return self.gemv is not None and _step_applies(self.gemv, self.max_rows, h, backend, kv_cache, meta)
 
     def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
                  meta, backend, scale: float) -> torch.Tensor:
-        """Every layer's forward for one token in one call: updates ``h`` and the pool, returns the last layer's MLP
-        output (the final norm's delta)."""
+        """Every layer's forward for the step's rows in one call: updates ``h`` and the pool, returns the last
+        layer's MLP output (the final norm's delta)."""
         kd, vd, ks, vs = self.pool(kv_cache)
         return torch.ops.pagedllm.decode_layer.default(
             h, delta, self.input_norms, self.post_norms, self.eps, *self.matrices, self.qtypes, self.rows,

@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)
         delta = None
-        if lora is None and self.fused_decode.applies(h, backend):  # batch 1: every layer in one C++ call, same ops
+        if lora is None and self.fused_decode.applies(h, backend, kv_cache, meta):  # every layer in one C++ call
             delta = self.fused_decode(h, delta, cos, sin, kv_cache, meta, backend, self.scale)
         elif lora is None and self.fused_layers.applies(h, backend, kv_cache, meta):  # gguf-bf16 rows: the same
             delta = self.fused_layers(h, cos, sin, kv_cache, meta, backend, self.scale)
@@ -348,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
 
     @functools.cached_property
     def fused_decode(self) -> FusedDecode:
-        """The layers as the fused batch-1 call takes them, gathered at the first step that asks (weights loaded)."""
+        """The layers as the fused decode call takes them, gathered at the first step that asks (weights loaded)."""
         return FusedDecode(self.layers)
 
     @functools.cached_property

@@ -1,6 +1,6 @@
-"""A model's batch-1 step through its decoder layers in one C++ call (``ops/csrc/decode_layer.cpp``,
-``models/decode_layer.py``): the same ops as the per-op forward, so the same bits, on the embedded model's GGUF blocks;
-used only where it applies."""
+"""A model's step through its decoder layers in one C++ call (``ops/csrc/decode_layer.cpp``,
+``models/decode_layer.py``): the same ops as the per-op forward, so the same bits, on the embedded model's GGUF blocks,
+for one row or several; used only where it applies."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch
 from pagedllm import ops
 from pagedllm.attention import get_backend
 from pagedllm.attention.cpu import kernel_args
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kv import KVCache
 from pagedllm.models import decode_layer as fused
 from pagedllm.models import llama
@@ -30,39 +31,87 @@ def smol(ckpt):
     return ckpt, llama.LlamaForCausalLM.from_checkpoint(ckpt)  # auto: the GGUF blocks
 
 
-def run_steps(model, backend_name: str, decode_steps: int, kv_dtype: torch.dtype = torch.float32
+def run_steps(model, backend, decode_steps: int, kv_dtype: torch.dtype = torch.float32, seqs: int = 1
               ) -> tuple[list[torch.Tensor], KVCache]:
-    """A 40-token prefill (the per-op path: 40 rows) then batch-1 decode steps; the logits of each and the pool."""
+    """One prefill step of ``seqs`` prompts (40, 32, ... tokens) then decode steps of all of them (``seqs`` rows);
+    the logits of each step and the pool."""
     cfg = model.config
-    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 16, dtype=kv_dtype)
-    runner = ForwardPass(model, kv, get_backend(backend_name))
-    table = list(range(4))
-    out = [runner.execute([SeqChunk(list(range(300, 340)), 0, table)])]
-    out += [runner.execute([SeqChunk([500 + s], 40 + s, table)]) for s in range(decode_steps)]
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4 * seqs, 16, dtype=kv_dtype)
+    runner = ForwardPass(model, kv, get_backend(backend) if isinstance(backend, str) else backend)
+    tables = [list(range(4 * s, 4 * s + 4)) for s in range(seqs)]
+    lens = [40 - 8 * s for s in range(seqs)]
+    out = [runner.execute([SeqChunk(list(range(300 + s, 300 + s + n)), 0, t)
+                           for s, (n, t) in enumerate(zip(lens, tables))])]
+    out += [runner.execute([SeqChunk([500 + step + s], n + step, t) for s, (n, t) in enumerate(zip(lens, tables))])
+            for step in range(decode_steps)]
     return out, kv
+
+
+def assert_same_steps(got, kv_got, want, kv_want, layers: int) -> None:
+    """The two runs' logits and pools (an int8 pool's scales too) bit for bit."""
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for i in range(layers):
+        (kg, vg, sg), (kw, vw, sw) = kernel_args(*kv_got.layer(i)), kernel_args(*kv_want.layer(i))
+        assert torch.equal(kg, kw) and torch.equal(vg, vw) and sg.keys() == sw.keys()
+        assert all(torch.equal(sg[k], sw[k]) for k in sg)
+
+
+def count_fused_calls(monkeypatch) -> list:
+    calls = []
+    real = fused.FusedDecode.__call__
+    monkeypatch.setattr(fused.FusedDecode, "__call__", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    return calls
 
 
 @needs_kernels
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization,kv_dtype", [("gguf", torch.float32), ("gguf-a8", torch.float32),
-                                                   ("gguf", torch.int8)])
-def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization, kv_dtype, monkeypatch):
-    """Every layer of a decode step in one call: the per-op path's logits and pool, bit for bit (an int8 pool's
-    scales too)."""
+@pytest.mark.parametrize("quantization,kv_dtype,seqs", [("gguf", torch.float32, 1), ("gguf-a8", torch.float32, 1),
+                                                        ("gguf", torch.int8, 1), ("gguf", torch.float32, 3),
+                                                        ("gguf-a8", torch.float32, 3), ("gguf", torch.int8, 3)])
+def test_fused_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization, kv_dtype, seqs, monkeypatch):
+    """Every layer of a step in one call, for one row or several: the per-op path's logits and pool, bit for bit.
+    On the paged kernel (an fp32 or int8 pool) the prompts' step is fused too."""
     model = llama.LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization)
-    calls = []
-    real = fused.FusedDecode.__call__
-    monkeypatch.setattr(fused.FusedDecode, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got, kv_got = run_steps(model, "cpu", 4, kv_dtype)
-    assert len(calls) == 4  # every decode step (all its layers), no prefill row
+    calls = count_fused_calls(monkeypatch)
+    got, kv_got = run_steps(model, "cpu", 4, kv_dtype, seqs)
+    assert calls == [sum(40 - 8 * s for s in range(seqs))] + [seqs] * 4  # every step's rows, all their layers
     monkeypatch.setattr(fused, "FUSED", False)
-    want, kv_want = run_steps(model, "cpu", 4, kv_dtype)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    for i in range(model.config.num_layers):
-        (kg, vg, sg), (kw, vw, sw) = kernel_args(*kv_got.layer(i)), kernel_args(*kv_want.layer(i))
-        assert torch.equal(kg, kw) and torch.equal(vg, vw) and sg.keys() == sw.keys()
-        assert all(torch.equal(sg[k], sw[k]) for k in sg)
+    want, kv_want = run_steps(model, "cpu", 4, kv_dtype, seqs)
+    assert_same_steps(got, kv_got, want, kv_want, model.config.num_layers)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_a_step_with_a_prefill_chunk_for_sdpa_runs_per_op(ckpt, monkeypatch):
+    """Prompts long enough for the backend's SDPA prefill take the per-op path (its attention is not the paged
+    kernel's), the decode steps after them the fused call; the same bits as per-op throughout."""
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt)
+    calls = count_fused_calls(monkeypatch)
+    got, kv_got = run_steps(model, get_backend("cpu", sdpa_prefill_min_len=16), 3, seqs=2)
+    assert calls == [2, 2, 2]
+    monkeypatch.setattr(fused, "FUSED", False)
+    want, kv_want = run_steps(model, get_backend("cpu", sdpa_prefill_min_len=16), 3, seqs=2)
+    assert_same_steps(got, kv_got, want, kv_want, model.config.num_layers)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_gguf_bf16_rows_on_the_bf16_copies_are_not_fused_here(ckpt, monkeypatch):
+    """gguf-bf16 runs a GEMM of its copies' ``min_rows`` rows or more on the bf16 copy, which the fused call does
+    not: such steps take another path (``bf16_layers`` or per-op), and the smaller ones the fused call, the same
+    bits as per-op."""
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, quantization="gguf-bf16")
+    min_rows = model.layers[0].qkv_weight.bf16.min_rows
+    assert model.fused_decode.max_rows == min_rows
+    seqs = min(3, min_rows - 1)
+    calls = count_fused_calls(monkeypatch)
+    got, kv_got = run_steps(model, "cpu", 2, seqs=seqs)
+    prompt_rows = sum(40 - 8 * s for s in range(seqs))
+    assert calls == ([seqs] * 2 if prompt_rows >= min_rows else [prompt_rows] + [seqs] * 2)
+    monkeypatch.setattr(fused, "FUSED", False)
+    want, kv_want = run_steps(model, "cpu", 2, seqs=seqs)
+    assert_same_steps(got, kv_got, want, kv_want, model.config.num_layers)
 
 
 @needs_kernels
@@ -132,19 +181,29 @@ def test_decode_layer_refuses_lists_of_other_lengths(smol):
         torch.ops.pagedllm.decode_layer(*args)
 
 
+def decode_meta(rows: int) -> AttentionMetadata:
+    """A decode step of ``rows`` sequences of 5 tokens each in a 16-token block."""
+    return AttentionMetadata.build([1] * rows, [5] * rows, [[r] for r in range(rows)], 16)
+
+
 @needs_kernels
 def test_the_fused_call_applies_only_where_the_per_op_path_calls_the_same_ops(smol, monkeypatch):
     _, model = smol
     layer, cpu = model.layers[0], get_backend("cpu")
-    one, two = torch.zeros(1, 576), torch.zeros(2, 576)
+    kv = KVCache(1, layer.num_kv_heads, layer.head_dim, 4, 16)
+    one, three = torch.zeros(1, 576), torch.zeros(3, 576)
 
     def applies(h, backend=cpu):
-        return fused.FusedDecode(torch.nn.ModuleList([layer])).applies(h, backend)
+        return fused.FusedDecode(torch.nn.ModuleList([layer])).applies(h, backend, kv, decode_meta(h.shape[0]))
 
-    assert applies(one)
-    assert not applies(two)  # more than one token: the per-op path
+    assert applies(one) and applies(three)  # one row (the GEMV) or several (gemm.cpp)
     assert not applies(one.double())
     assert not applies(one, get_backend("reference"))
+    prefill = AttentionMetadata.build([3], [3], [[0]], 16)  # a 3-token prompt: the paged kernel's, fused
+    assert fused.FusedDecode(torch.nn.ModuleList([layer])).applies(three, cpu, kv, prefill)
+    sdpa = get_backend("cpu", sdpa_prefill_min_len=2)  # ... unless the backend sends it to SDPA
+    assert not fused.FusedDecode(torch.nn.ModuleList([layer])).applies(three, sdpa, kv, prefill)
+    assert applies(three, sdpa)  # its decode steps still on the kernel
     monkeypatch.setattr(layer, "qkv_bias", torch.zeros(960))
     assert not applies(one)
     monkeypatch.undo()
@@ -152,20 +211,22 @@ def test_the_fused_call_applies_only_where_the_per_op_path_calls_the_same_ops(sm
     assert not applies(one)
     monkeypatch.undo()
     monkeypatch.setattr(fused, "FUSED", False)  # PAGEDLLM_UNFUSED_DECODE=1
-    assert not applies(one)
+    assert not applies(one) and not applies(three)
     monkeypatch.undo()
-    monkeypatch.setattr(fused.quant, "FACTORED_GEMV", False)  # the bit-exact GEMVs: the per-op path
-    assert not applies(one)
+    monkeypatch.setattr(fused.quant, "FACTORED_GEMV", False)  # the bit-exact GEMVs: the per-op path at one row
+    assert not applies(one) and applies(three)  # (several rows are on gemm.cpp either way)
 
 
 @needs_kernels
 def test_a_model_with_one_unfusable_layer_runs_every_layer_per_op(ckpt, monkeypatch):
     """The fused call takes every layer or none: a model whose last layer carries a bias takes the per-op path."""
     model = llama.LlamaForCausalLM.from_checkpoint(ckpt)
-    assert model.fused_decode.applies(torch.zeros(1, 576), get_backend("cpu"))
+    cfg = model.config
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16)
+    assert model.fused_decode.applies(torch.zeros(1, 576), get_backend("cpu"), kv, decode_meta(1))
     model = llama.LlamaForCausalLM.from_checkpoint(ckpt)
     model.layers[-1].qkv_bias = torch.nn.Parameter(torch.zeros(960), requires_grad=False)
-    assert not model.fused_decode.applies(torch.zeros(1, 576), get_backend("cpu"))
+    assert not model.fused_decode.applies(torch.zeros(1, 576), get_backend("cpu"), kv, decode_meta(1))
 
 
 FRESH_A8 = """
@@ -178,7 +239,7 @@ decode_layer.FusedDecode.__call__ = lambda *a, **k: calls.append(1) or real(*a, 
 llm = LLM(quantization="gguf-a8", dtype="float32", num_blocks=16)
 out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                    use_tqdm=False)[0].outputs[0]
-assert len(out.token_ids) == 3 and len(calls) == 2, (out, len(calls))  # both decode steps, all their layers
+assert len(out.token_ids) == 3 and len(calls) == 3, (out, len(calls))  # every step (the prompt's too), all layers
 assert "pagedllm_gemv" not in build._built, sorted(build._built)
 """
 

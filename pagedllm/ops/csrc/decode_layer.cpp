@@ -1,24 +1,27 @@
-// A Llama model's decoder layers for one decode token (batch 1) in one call: each layer's op sequence
-//   add_rms_norm -> GEMV (qkv) -> rope -> attend_qkv -> GEMV (o) -> add_rms_norm -> GEMV (gate/up) -> silu_mul
-//   -> GEMV (down)
-// with the GEMVs of quantization="gguf" (quant_gemv) or "gguf-a8" (linear_a8_packed), called from C++ through the
-// dispatcher, so the results are those of the separate ops, bit for bit.
-// At batch 1 the kernels of a layer take ~0.4 ms of CPU on SmolLM2-135M; the Python between them (argument checks,
-// wrappers, nine trips through torch.ops with their argument parsing) took a further ~0.07 ms (2.1 ms of a token's
-// CPU over 30 layers, measured). The other libraries (fused_ops, paged_attention) must be loaded
-// before the first call, and the GEMVs' (gemv or quant_a8) before the first call in that format
-// (pagedllm/models/decode_layer.py checks).
+// A Llama model's decoder layers for one step in one call (a decode step, or prefill chunks on the paged kernel;
+// named for the batch-1 decode step it was first written for): each layer's op sequence
+//   add_rms_norm -> GEMM (qkv) -> rope -> attend_qkv -> GEMM (o) -> add_rms_norm -> GEMM (gate/up) -> silu_mul
+//   -> GEMM (down)
+// with the GEMMs of quantization="gguf" (quant_gemv for one token, quant_linear for more) or "gguf-a8"
+// (linear_a8_packed), called from C++ through the dispatcher, so the results are those of the separate ops, bit for
+// bit. At batch 1 the kernels of a layer take ~0.4 ms of CPU on SmolLM2-135M; the Python between them (argument
+// checks, wrappers, nine trips through torch.ops with their argument parsing) took a further ~0.07 ms (2.1 ms of a
+// token's CPU over 30 layers, measured). A step of several rows (a decode batch) pays the same Python a layer, and
+// between two ops it leaves the other OpenMP thread spinning or asleep (one call: decode steps of 4-64 rows
+// 1.07-1.20x faster on a 2-core Zen 3, alternating in one process). The other libraries (fused_ops,
+// paged_attention) must be loaded before the first call, and the GEMMs' (gemv or gemm, or quant_a8) before the first
+// call in that format (pagedllm/models/decode_layer.py checks).
 //
 // All the layers in one call (not one call a layer): the Python between the layers' calls (the layer loop, the
 // fused path's checks, 27 arguments parsed a call) cost ~1 ms of a ~10 ms token on a Zen 4 at 2 threads, and each
 // call's parallel region started and joined the team again.
-// On more than one thread (one_region), the layers are one OpenMP parallel region instead of one per GEMV and one in
-// attention: each GEMV is split by rows into pieces the team's threads claim (quant_gemv_part /
+// One token on more than one thread (one_region): the layers are one OpenMP parallel region instead of one per GEMV
+// and one in attention: each GEMV is split by rows into pieces the team's threads claim (quant_gemv_part /
 // linear_a8_packed_part: the same bits as the whole call), the small ops between them (norms, rope + attention,
 // silu) run on the thread that claims them, and no barrier in between (Relay).
 // Every region's start wakes the other thread and its end joins it; the per-op calls made ~150 such round trips a
 // token on SmolLM2 (a wake from a sleeping thread costs 25-45 us), and split gguf-a8's layer matrices so badly
-// that linear_a8_packed keeps them on one thread.
+// that linear_a8_packed keeps them on one thread. Several rows run op by op (each op's own parallel regions).
 #include "ops_common.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -86,12 +89,12 @@ class Relay {
 
 }  // namespace
 
-// h: [1, E] residual stream (updated in place: each layer adds its delta, then its attention output); returns the last
-// layer's MLP output [1, E] (the final norm's delta). Per layer l: input_norms[l], post_norms[l], its matrices
+// h: [T, E] residual stream (updated in place: each layer adds its delta, then its attention output); returns the last
+// layer's MLP output [T, E] (the final norm's delta). Per layer l: input_norms[l], post_norms[l], its matrices
 // (qkv_wq[l], ...), qtypes[4 l .. 4 l + 3] their GGUF formats, its pool (k_caches[l], v_caches[l]; k_scales /
 // v_scales: one a layer for a quantized pool, else empty); rows: the matrices' output sizes; int8_activations: the
-// matrices are pack_a8's (gguf-a8), else GGUF block rows. one_region: the layers in one parallel region on torch's
-// threads (the same bits), else op by op.
+// matrices are pack_a8's (gguf-a8), else GGUF block rows. one_region: one token's layers in one parallel region on
+// torch's threads (the same bits), else (and for more than one token) op by op.
 Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::TensorList post_norms, double eps,
                     at::TensorList qkv_wq, at::TensorList o_wq, at::TensorList gate_up_wq, at::TensorList down_wq,
                     at::IntArrayRef qtypes, at::IntArrayRef rows, bool int8_activations, Tensor cos, Tensor sin,
@@ -99,7 +102,7 @@ Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::T
                     Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int64_t block_size, double scale,
                     int64_t q_tile, at::TensorList k_scales, at::TensorList v_scales, bool one_region) {
   const int64_t L = static_cast<int64_t>(input_norms.size());
-  TORCH_CHECK(h.dim() == 2 && h.size(0) == 1, "decode_layer runs one token: h must be [1, E], got ", h.sizes());
+  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1, "decode_layer: h must be [T, E] with T >= 1, got ", h.sizes());
   TORCH_CHECK(L > 0 && post_norms.size() == L && qkv_wq.size() == L && o_wq.size() == L && gate_up_wq.size() == L &&
                   down_wq.size() == L && k_caches.size() == L && v_caches.size() == L,
               "decode_layer: every per-layer list needs one entry a layer");
@@ -121,15 +124,19 @@ Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::T
     return attend.call(qkv, num_heads, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens,
                        query_start_loc, block_size, scale, q_tile, ks, vs);
   };
-  const int nthreads = one_region ? at::get_num_threads() : 1;
+  const int nthreads = one_region && h.size(0) == 1 ? at::get_num_threads() : 1;
   if (nthreads <= 1) {
     auto linear = [&](const Tensor& x, int64_t l, size_t i) {  // looked up on first use: one format's library
       if (int8_activations) {
         static const auto a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
         return a8.call(x, wq(l, i), qtypes[4 * l + i], rows[i], std::nullopt);
       }
-      static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
-      return gemv.call(x, wq(l, i), qtypes[4 * l + i], std::nullopt);
+      if (x.size(0) == 1) {
+        static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
+        return gemv.call(x, wq(l, i), qtypes[4 * l + i], std::nullopt);
+      }
+      static const auto gemm = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_linear");
+      return gemm.call(x, wq(l, i), qtypes[4 * l + i], std::nullopt);
     };
     OptTensor d = delta;
     for (int64_t l = 0; l < L; ++l) {
