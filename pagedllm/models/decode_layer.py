@@ -6,15 +6,16 @@ At batch 1 a layer is nine small ops; the Python between them (the wrappers' che
 and each call's 27 arguments still cost ~1 ms of a ~10 ms token (Zen 4, 2 threads). A decode step of several rows
 pays the same Python a layer. The fused call runs the same ops in the same order (bit-identical results), so it
 applies only where the per-op path would call exactly those ops: fp32 rows on the CPU, GGUF block matrices
-(``quantization="gguf"``: the batch-1 GEMV for one row, gemm.cpp for more; or ``"gguf-a8"`` packed) in every layer,
-none of them on a bf16 copy at this step's rows (gguf-bf16 from its ``min_rows``: ``bf16_layers.py``), every
-sequence of the step on the CPU backend's paged kernel (no prefill chunk for SDPA or the AMX kernel), no q/k norm
-or biases, no LoRA and no tensor parallelism. ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
+(``quantization="gguf"``: the batch-1 GEMV for one row, gemm.cpp for more; or ``"gguf-a8"`` packed) or dense fp32
+matrices (gemm.cpp's ``linear``; a checkpoint without GGUF blocks) in every layer, none on a bf16 copy at this
+step's rows (gguf-bf16 from its ``min_rows``: ``bf16_layers.py``), every sequence of the step on the CPU backend's
+paged kernel (no prefill chunk for SDPA or the AMX kernel), no q/k norm or biases, no LoRA and no tensor
+parallelism. ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
 
-For one row on more than one thread the call runs the layers in one OpenMP parallel region (the GEMVs split by rows
-over the team, the phases handed over through atomic counters, not barriers) instead of a region per GEMV and in
-attention: the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region per op (A/B
-benchmarks). Several rows run op by op, each op with its own parallel regions.
+For one row of GGUF blocks on more than one thread the call runs the layers in one OpenMP parallel region (the
+GEMVs split by rows over the team, the phases handed over through atomic counters, not barriers) instead of a region
+per GEMV and in attention: the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region
+per op (A/B benchmarks). Several rows, and dense matrices, run op by op, each op with its own parallel regions.
 """
 
 from __future__ import annotations
@@ -34,12 +35,20 @@ FUSED = os.environ.get("PAGEDLLM_UNFUSED_DECODE") != "1"
 ONE_REGION = os.environ.get("PAGEDLLM_DECODE_REGION_PER_OP") != "1"
 
 
+def _dense_fp32(w) -> bool:
+    """Whether the per-op path runs this matrix through gemm.cpp's fp32 ``linear`` (``layers.linear``'s test)."""
+    return (type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.is_cpu and w.dim() == 2
+            and w.is_contiguous() and w.shape[1] % 8 == 0)
+
+
 def _layer_gemv(layer: nn.Module) -> str | None:
-    """The GEMV library the fused call would run the layer's matrices on (``"gemv"``: GGUF blocks, ``"quant_a8"``:
-    gguf-a8's packing), or None where the layer has what only the per-op path computes."""
+    """The GEMM library the fused call would run the layer's matrices on (``"gemv"``: GGUF blocks, ``"quant_a8"``:
+    gguf-a8's packing, ``"gemm"``: dense fp32), or None where the layer has what only the per-op path computes."""
     if layer.tp is not None or layer.qk_norm is not None or layer.qkv_bias is not None or layer.o_bias is not None:
         return None
     w = [getattr(layer, attr) for attr in MATRICES]
+    if all(_dense_fp32(m) for m in w):
+        return "gemm"
     if not all(isinstance(m, QuantizedWeight) for m in w):
         return None
     if all(m.int8_activations and m.packed for m in w):
@@ -59,7 +68,7 @@ def _step_applies(gemv: str, max_rows: int, h: torch.Tensor, backend, kv_cache, 
         return False
     if not (ops.load("decode_layer") and ops.load("fused_ops") and ops.load("paged_attention") and ops.load(gemv)):
         return False
-    return gemv != "gemv" or ops.load("gemm")  # (quant_linear: several rows)
+    return gemv != "gemv" or ops.load("gemm")  # (quant_linear: several rows of blocks)
 
 
 class LayerArgs:
@@ -100,11 +109,12 @@ class FusedDecode(LayerArgs):
         super().__init__(layers)
         first = layers[0]
         self.matrices = [[getattr(layer, attr).data for layer in layers] for attr in MATRICES]
-        self.qtypes = [getattr(layer, attr).qtype for layer in layers for attr in MATRICES]
+        # ggml's type numbers; F32 (0) for a dense fp32 matrix
+        self.qtypes = [getattr(getattr(layer, attr), "qtype", 0) for layer in layers for attr in MATRICES]
         self.rows = [getattr(first, attr).shape[0] for attr in MATRICES]
         self.max_rows = min((m.bf16.min_rows for layer in layers for attr in MATRICES
-                             if (m := getattr(layer, attr)).bf16 is not None), default=sys.maxsize)
-        self.int8_activations = getattr(first, MATRICES[0]).int8_activations
+                             if getattr(m := getattr(layer, attr), "bf16", None) is not None), default=sys.maxsize)
+        self.int8_activations = self.gemv == "quant_a8"
 
     def applies(self, h: torch.Tensor, backend, kv_cache, meta) -> bool:
         """Whether this step's call computes what the layers' per-op forwards would (see the module docstring)."""

@@ -67,12 +67,14 @@ def count_fused_calls(monkeypatch) -> list:
 @needs_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization,kv_dtype,seqs", [("gguf", torch.float32, 1), ("gguf-a8", torch.float32, 1),
-                                                        ("gguf", torch.int8, 1), ("gguf", torch.float32, 3),
-                                                        ("gguf-a8", torch.float32, 3), ("gguf", torch.int8, 3)])
+                                                        ("gguf", torch.int8, 1), ("none", torch.float32, 1),
+                                                        ("gguf", torch.float32, 3), ("gguf-a8", torch.float32, 3),
+                                                        ("gguf", torch.int8, 3), ("none", torch.float32, 3)])
 def test_fused_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization, kv_dtype, seqs, monkeypatch):
-    """Every layer of a step in one call, for one row or several: the per-op path's logits and pool, bit for bit.
-    On the paged kernel (an fp32 or int8 pool) the prompts' step is fused too."""
-    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization)
+    """Every layer of a step in one call, for one row or several, on GGUF blocks or dense fp32 matrices
+    (``quantization="none"``): the per-op path's logits and pool, bit for bit. On the paged kernel (an fp32 or int8
+    pool) the prompts' step is fused too."""
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, dtype=torch.float32, quantization=quantization)
     calls = count_fused_calls(monkeypatch)
     got, kv_got = run_steps(model, "cpu", 4, kv_dtype, seqs)
     assert calls == [sum(40 - 8 * s for s in range(seqs))] + [seqs] * 4  # every step's rows, all their layers
@@ -215,6 +217,25 @@ def test_the_fused_call_applies_only_where_the_per_op_path_calls_the_same_ops(sm
     monkeypatch.undo()
     monkeypatch.setattr(fused.quant, "FACTORED_GEMV", False)  # the bit-exact GEMVs: the per-op path at one row
     assert not applies(one) and applies(three)  # (several rows are on gemm.cpp either way)
+
+
+@needs_kernels
+def test_dense_layers_take_the_call_only_with_the_matrices_gemm_cpp_takes(ckpt, monkeypatch):
+    """Dense fp32 matrices run op by op through gemm.cpp's ``linear`` in the call (qtype F32); a layer whose matrix
+    the per-op path sends elsewhere (bf16, or not contiguous: ``F.linear``) keeps the per-op path."""
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, dtype=torch.float32, quantization="none")
+    layer = model.layers[0]
+
+    def kind():
+        return fused.FusedDecode(torch.nn.ModuleList([layer])).gemv
+
+    assert kind() == "gemm" and fused.FusedDecode(torch.nn.ModuleList([layer])).qtypes == [0] * 4
+    monkeypatch.setattr(layer, "o_weight", torch.nn.Parameter(layer.o_weight.bfloat16(), requires_grad=False))
+    assert kind() is None
+    monkeypatch.undo()
+    strided = torch.nn.Parameter(layer.down_weight.t().contiguous().t(), requires_grad=False)
+    monkeypatch.setattr(layer, "down_weight", strided)
+    assert kind() is None
 
 
 @needs_kernels

@@ -2,15 +2,15 @@
 // named for the batch-1 decode step it was first written for): each layer's op sequence
 //   add_rms_norm -> GEMM (qkv) -> rope -> attend_qkv -> GEMM (o) -> add_rms_norm -> GEMM (gate/up) -> silu_mul
 //   -> GEMM (down)
-// with the GEMMs of quantization="gguf" (quant_gemv for one token, quant_linear for more) or "gguf-a8"
-// (linear_a8_packed), called from C++ through the dispatcher, so the results are those of the separate ops, bit for
-// bit. At batch 1 the kernels of a layer take ~0.4 ms of CPU on SmolLM2-135M; the Python between them (argument
-// checks, wrappers, nine trips through torch.ops with their argument parsing) took a further ~0.07 ms (2.1 ms of a
-// token's CPU over 30 layers, measured). A step of several rows (a decode batch) pays the same Python a layer, and
-// between two ops it leaves the other OpenMP thread spinning or asleep (one call: decode steps of 4-64 rows
-// 1.07-1.20x faster on a 2-core Zen 3, alternating in one process). The other libraries (fused_ops,
-// paged_attention) must be loaded before the first call, and the GEMMs' (gemv or gemm, or quant_a8) before the first
-// call in that format (pagedllm/models/decode_layer.py checks).
+// with the GEMMs of quantization="gguf" (quant_gemv for one token, quant_linear for more), "gguf-a8"
+// (linear_a8_packed) or dense fp32 matrices (linear), called from C++ through the dispatcher, so the results are
+// those of the separate ops, bit for bit. At batch 1 the kernels of a layer take ~0.4 ms of CPU on SmolLM2-135M;
+// the Python between them (argument checks, wrappers, nine trips through torch.ops with their argument parsing)
+// took a further ~0.07 ms (2.1 ms of a token's CPU over 30 layers, measured). A step of several rows (a decode
+// batch) pays the same Python a layer, and between two ops it leaves the other OpenMP thread spinning or asleep
+// (one call: decode steps of 4-64 rows 1.07-1.20x faster on a 2-core Zen 3, alternating in one process). The other
+// libraries (fused_ops, paged_attention) must be loaded before the first call, and the GEMMs' (gemv and gemm, or
+// quant_a8) before the first call in that format (pagedllm/models/decode_layer.py checks).
 //
 // All the layers in one call (not one call a layer): the Python between the layers' calls (the layer loop, the
 // fused path's checks, 27 arguments parsed a call) cost ~1 ms of a ~10 ms token on a Zen 4 at 2 threads, and each
@@ -27,6 +27,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <exception>
@@ -39,6 +40,8 @@ namespace {
 using Tensor = torch::Tensor;
 using OptTensor = std::optional<Tensor>;
 using pagedllm_ops::op;
+
+constexpr int64_t kF32 = 0;  // ggml's type number for fp32: a dense matrix
 
 // The team's phases without barriers: a phase's work is cut into pieces claimed from an atomic counter, so the
 // threads that are running do all of it, and a thread waits only for pieces another has claimed and not finished
@@ -93,8 +96,9 @@ class Relay {
 // layer's MLP output [T, E] (the final norm's delta). Per layer l: input_norms[l], post_norms[l], its matrices
 // (qkv_wq[l], ...), qtypes[4 l .. 4 l + 3] their GGUF formats, its pool (k_caches[l], v_caches[l]; k_scales /
 // v_scales: one a layer for a quantized pool, else empty); rows: the matrices' output sizes; int8_activations: the
-// matrices are pack_a8's (gguf-a8), else GGUF block rows. one_region: one token's layers in one parallel region on
-// torch's threads (the same bits), else (and for more than one token) op by op.
+// matrices are pack_a8's (gguf-a8), else GGUF block rows, or dense fp32 matrices where their qtype is F32 (0).
+// one_region: one token's layers on GGUF blocks in one parallel region on torch's threads (the same bits), else (and
+// for more than one token or dense matrices) op by op.
 Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::TensorList post_norms, double eps,
                     at::TensorList qkv_wq, at::TensorList o_wq, at::TensorList gate_up_wq, at::TensorList down_wq,
                     at::IntArrayRef qtypes, at::IntArrayRef rows, bool int8_activations, Tensor cos, Tensor sin,
@@ -124,12 +128,17 @@ Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::T
     return attend.call(qkv, num_heads, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens,
                        query_start_loc, block_size, scale, q_tile, ks, vs);
   };
-  const int nthreads = one_region && h.size(0) == 1 ? at::get_num_threads() : 1;
+  const bool dense = std::any_of(qtypes.begin(), qtypes.end(), [](int64_t t) { return t == kF32; });
+  const int nthreads = one_region && h.size(0) == 1 && !dense ? at::get_num_threads() : 1;
   if (nthreads <= 1) {
     auto linear = [&](const Tensor& x, int64_t l, size_t i) {  // looked up on first use: one format's library
       if (int8_activations) {
         static const auto a8 = op<Tensor(Tensor, Tensor, int64_t, int64_t, OptTensor)>("pagedllm::linear_a8_packed");
         return a8.call(x, wq(l, i), qtypes[4 * l + i], rows[i], std::nullopt);
+      }
+      if (qtypes[4 * l + i] == kF32) {
+        static const auto dense_gemm = op<Tensor(Tensor, Tensor, OptTensor)>("pagedllm::linear");
+        return dense_gemm.call(x, wq(l, i), std::nullopt);
       }
       if (x.size(0) == 1) {
         static const auto gemv = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_gemv");
