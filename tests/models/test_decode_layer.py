@@ -220,22 +220,20 @@ def test_the_fused_call_applies_only_where_the_per_op_path_calls_the_same_ops(sm
 
 
 @needs_kernels
-def test_dense_layers_take_the_call_only_with_the_matrices_gemm_cpp_takes(ckpt, monkeypatch):
+def test_dense_layers_take_the_call_only_with_the_matrices_gemm_cpp_takes(ckpt):
     """Dense fp32 matrices run op by op through gemm.cpp's ``linear`` in the call (qtype F32); a layer whose matrix
     the per-op path sends elsewhere (bf16, or not contiguous: ``F.linear``) keeps the per-op path."""
-    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, dtype=torch.float32, quantization="none")
-    layer = model.layers[0]
 
-    def kind():
-        return fused.FusedDecode(torch.nn.ModuleList([layer])).gemv
+    def fused_first_layer(**replace) -> fused.FusedDecode:  # a fresh model each time: nothing to restore
+        layer = llama.LlamaForCausalLM.from_checkpoint(ckpt, dtype=torch.float32, quantization="none").layers[0]
+        for name, change in replace.items():
+            setattr(layer, name, torch.nn.Parameter(change(getattr(layer, name)), requires_grad=False))
+        return fused.FusedDecode(torch.nn.ModuleList([layer]))
 
-    assert kind() == "gemm" and fused.FusedDecode(torch.nn.ModuleList([layer])).qtypes == [0] * 4
-    monkeypatch.setattr(layer, "o_weight", torch.nn.Parameter(layer.o_weight.bfloat16(), requires_grad=False))
-    assert kind() is None
-    monkeypatch.undo()
-    strided = torch.nn.Parameter(layer.down_weight.t().contiguous().t(), requires_grad=False)
-    monkeypatch.setattr(layer, "down_weight", strided)
-    assert kind() is None
+    dense = fused_first_layer()
+    assert dense.gemv == "gemm" and dense.qtypes == [0] * 4
+    assert fused_first_layer(o_weight=lambda w: w.bfloat16()).gemv is None
+    assert fused_first_layer(down_weight=lambda w: w.t().contiguous().t()).gemv is None
 
 
 @needs_kernels
