@@ -29,6 +29,7 @@ from torch import nn
 from pagedllm import ops
 from pagedllm.attention.cpu import kernel_args
 from pagedllm.models import quant
+from pagedllm.models.layers import gemm_cpp_weight
 from pagedllm.models.quant import MATRICES, QuantizedWeight
 
 FUSED = os.environ.get("PAGEDLLM_UNFUSED_DECODE") != "1"
@@ -37,8 +38,7 @@ ONE_REGION = os.environ.get("PAGEDLLM_DECODE_REGION_PER_OP") != "1"
 
 def _dense_fp32(w) -> bool:
     """Whether the per-op path runs this matrix through gemm.cpp's fp32 ``linear`` (``layers.linear``'s test)."""
-    return (type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.is_cpu and w.dim() == 2
-            and w.is_contiguous() and w.shape[1] % 8 == 0)
+    return type(w) in (torch.Tensor, nn.Parameter) and w.dtype == torch.float32 and w.is_cpu and gemm_cpp_weight(w)
 
 
 def _layer_gemv(layer: nn.Module) -> str | None:

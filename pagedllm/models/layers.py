@@ -35,12 +35,18 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | PackedBF16, b: t
     if isinstance(w, PackedBF16):
         return bf16_linear(x, w, b, out_dtype)
     if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.is_contiguous()
-            and w.dtype in (torch.float32, torch.bfloat16) and x.shape[1] % 8 == 0 and w.is_contiguous()):
+            and gemm_cpp_weight(w)):
         if ops.load("gemm"):
             return torch.ops.pagedllm.linear.default(x, w, b)
     if not upcast:
         return F.linear(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def gemm_cpp_weight(w: torch.Tensor) -> bool:
+    """Whether gemm.cpp's ``linear`` takes this weight (fp32 or bf16, contiguous, K a multiple of 8) for fp32 CPU
+    rows: the one test :func:`linear` and the fused decode call (``models/decode_layer.py``) both route by."""
+    return w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and w.dim() == 2 and w.shape[1] % 8 == 0
 
 
 def bf16_gemm_rows(w: torch.Tensor | QuantizedWeight | PackedBF16, rows: int) -> bool:
