@@ -97,6 +97,8 @@ def _cases() -> list[tuple[str, tuple, dict]]:
                        torch.randn(2, 2, 4, 12, generator=g), [torch.randn(2, 4, 8), torch.randn(2, 4, 5)], [0, 9],
                        torch.tensor([1, -1, 0])), {}),
         ("instruction_peak", (torch.zeros(1, dtype=torch.float64), "fp32_fma", 10), {}),
+        ("step_inputs", (torch.randint(0, 50, (3, 12), generator=g), torch.randperm(9, generator=g).int().view(3, 3),
+                         torch.tensor([2, 3, 1]), torch.tensor([0, 2, 0]), [1, 0], [1, 4], [6, 0], 4), {}),
     ]
     pf = make_random_batch([5, 40], [9, 40], num_kv_heads=2, group=2, head_dim=64, block_size=32,
                            cache_dtype=torch.bfloat16, spare_blocks=2)  # prefill chunks, one after a cached prefix

@@ -19,6 +19,7 @@ loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a
 | ``amx_gemm`` | ``amx_pack_bf16``, ``amx_linear_bf16``, ``amx_linear_silu_bf16`` (bf16 GEMMs on AMX tiles: decode steps and light-load prefills; gate/up with silu in its epilogue) |
 | ``amx_attention`` | ``prefill_attention_amx`` (causal prefill attention over a bf16 pool on AMX tiles or with VDPBF16PS, head_dim 64) |
 | ``peak`` | ``instruction_peak`` (the cores' arithmetic peak per instruction: FMA, VDPBF16PS, VPDPBUSD, AMX tiles; for ``bench roofline``) |
+| ``step_inputs`` | ``step_inputs`` (a step's input ids, positions, slot mapping, block tables, lengths and adapter ids gathered from the worker's persistent batch) |
 | ``sampling`` | ``argmax_logsumexp`` (each logits row's greedy pick and log-normaliser, without a log_softmax buffer), ``exponential_race`` (each temperature-sampled row's draw over the hashed noise, in two passes over the row), ``filtered_race`` (the same after top-k / top-p / min-p, sorting only the tokens that can stay) |
 """
 

@@ -186,3 +186,13 @@ def _prefill_attention_amx(out, q, k_cache, v_cache, block_tables, seq_lens, que
 @_fake("peak", "instruction_peak")
 def _instruction_peak(flops, unit, iters) -> None:
     return None
+
+
+@_fake("step_inputs", "step_inputs")
+def _step_inputs(token_ids, block_table, num_blocks, lora_id, rows, query_lens, starts, block_size
+                 ) -> tuple[torch.Tensor, ...]:
+    ctx = torch.library.get_ctx()  # the tables' width and whether adapter ids come back depend on the rows' data
+    T, B = sum(query_lens), len(rows)
+    i64 = token_ids.new_empty
+    return (i64(T), i64(T), i64(T), block_table.new_empty((B, ctx.new_dynamic_size())), block_table.new_empty(B),
+            block_table.new_empty(B + 1), i64(ctx.new_dynamic_size()))

@@ -171,7 +171,7 @@ class ModelRunner:
         for i, s in enumerate(so.scheduled):
             start = qsl[pos_of[i]]
             if s.prompt_logprobs is not None:
-                num_prompt = int(batch.num_prompt[rows[i]])
+                num_prompt = int(batch.host.num_prompt[rows[i]])
                 n = max(0, min(s.num_computed + s.num_tokens, num_prompt - 1) - s.num_computed)
                 if n:
                     prompt_spans.append((i, len(last_rows), n))
@@ -188,8 +188,9 @@ class ModelRunner:
             return ModelRunnerOutput(outs)
         # logits stay on the device: sampling runs there, and only ids and asked-for logprobs come back
         dev = hidden.device
-        logits = self.forward_pass.model.compute_logits(hidden.index_select(
-            0, torch.tensor(last_rows, dtype=torch.int64, device=dev)), self._logits_buffer(len(last_rows), dev))
+        if last_rows != list(range(hidden.shape[0])):  # else every row, in order (a decode step): hidden itself
+            hidden = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.int64, device=dev))
+        logits = self.forward_pass.model.compute_logits(hidden, self._logits_buffer(len(last_rows), dev))
         for i, first, n in prompt_spans:
             s = so.scheduled[i]
             row = rows[i]
@@ -239,7 +240,7 @@ class ModelRunner:
             params.append(p)
             brows.append(row)
             # a parallel sample draws with its own sample index's key (its child row gets the same when forked)
-            keys.append(int(batch.noise_key[row]) if j == 0 else noise_key(p.seed, j))
+            keys.append(int(batch.host.noise_key[row]) if j == 0 else noise_key(p.seed, j))
         try:
             self._sample_rows(logits, sample_rows, sample_keys, params, keys, brows, rows, outs)
         except Exception:
@@ -257,10 +258,9 @@ class ModelRunner:
     def _sample_rows(self, logits: torch.Tensor, sample_rows: list[int], sample_keys: list[tuple[int, int]],
                      params: list, keys: list[int], brows: list[int], rows: list[int], outs: list[SeqOutput]) -> None:
         batch = self.batch
-        brow_t = torch.tensor(brows, dtype=torch.int64)
-        num_tokens = batch.num_tokens[brow_t]
+        num_tokens = torch.from_numpy(batch.host.num_tokens[brows])  # copies (numpy gathers), for this step
         penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
-        hist = batch.token_ids[brow_t, : int(num_tokens.max())] if penalised else batch.token_ids[:0]
+        hist = batch.token_ids[torch.tensor(brows), : int(num_tokens.max())] if penalised else batch.token_ids[:0]
         # every row once, in order (a decode step without beams or parallel samples): the logits themselves, not a
         # [rows, vocab] copy (6 ms a step at 64 rows of SmolLM2's 49152 on a 2-core Xeon; the sampler never writes
         # its input)
@@ -268,7 +268,7 @@ class ModelRunner:
             0, torch.tensor(sample_rows, device=logits.device))
         result = self.sampler(picked,
                               SamplingBatch(params, torch.tensor(keys, dtype=torch.int64), hist,
-                                            batch.num_prompt[brow_t], num_tokens))
+                                            torch.from_numpy(batch.host.num_prompt[brows]), num_tokens))
         tokens, chosen = (t.tolist() for t in to_host(result.token_ids, result.logprobs))
         for r, (i, j) in enumerate(sample_keys):
             out = outs[i]
