@@ -198,17 +198,15 @@ class InputBatch:
         row_t = torch.tensor(rows, dtype=torch.int64)
         q = torch.tensor(query_lens, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(rows)), q)
-        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(q, 0)
-        positions = torch.tensor(starts, dtype=torch.int64)[seq_of_token] + torch.arange(int(q.sum())) \
-            - qsl[:-1].long()[seq_of_token]
-        input_ids = token_ids[row_t[seq_of_token], positions]
+        positions = (torch.tensor(starts, dtype=torch.int64)[seq_of_token] + torch.arange(int(q.sum()))
+                     - (torch.cumsum(q, 0) - q)[seq_of_token])
         tables = block_table[row_t, :max(1, int(num_blocks[row_t].max()))]
-        slots = tables.long()[seq_of_token, positions // block_size] * block_size + positions % block_size
-        seq_lens = torch.tensor([s + n for s, n in zip(starts, query_lens)], dtype=torch.int32)
+        meta = AttentionMetadata.from_tensors(positions, seq_of_token, q, q + torch.tensor(starts), tables, block_size)
         row_lora = lora_id[row_t]
         lora_ids = row_lora[seq_of_token] if bool(row_lora.any()) else row_lora[:0]
-        return input_ids, positions, slots, tables, seq_lens, qsl, lora_ids
+        return (token_ids[row_t[seq_of_token], positions], positions, meta.slot_mapping, tables, meta.seq_lens,
+                meta.query_start_loc, lora_ids)
+
 
 def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
     """Seeded requests get one generator per sample for draft verification (spec_verify), so its draws do
