@@ -53,6 +53,9 @@ def _cases() -> list[tuple[str, tuple, dict]]:
                                      m.query_start_loc, m.block_size, b.scale, 0, m.num_seqs, 4), a["scales"]),
             ("attend_qkv", (qkv, H, *pool, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
                             m.block_size, b.scale, 4), a["scales"]),
+            ("attend_qkv_part", (qkv, H, *pool, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
+                                 m.block_size, b.scale, 4, a["scales"].get("k_scale"), a["scales"].get("v_scale"),
+                                 torch.empty(T, H * D), 1, 2), {}),
         ]
     x, w, bias = torch.randn(3, 64, generator=g), torch.randn(5, 64, generator=g), torch.randn(5, generator=g)
     q4, q8 = _blocks(Q4_1, 9, 64), _blocks(Q8_0, 9, 64)
@@ -154,12 +157,14 @@ def test_mutations_are_declared_in_the_schemas():
                    if a.alias_info is not None and a.alias_info.is_write]
               for op, _, _ in CASES}
     assert writes["write_kv"] == writes["attend_qkv"] == ["k_cache", "v_cache", "k_scale", "v_scale"]
+    assert writes["attend_qkv_part"] == ["k_cache", "v_cache", "k_scale", "v_scale", "out"]
     assert writes["paged_attention_out"] == writes["prefill_attention_amx"] == ["out"]
     assert writes["add_rms_norm"] == ["h"] and writes["rope"] == ["x"] and writes["lora_bgmv"] == ["y"]
     assert writes["decode_layer"] == writes["bf16_layers"] == ["h", "k_caches", "v_caches", "k_scales", "v_scales"]
     assert writes["quant_gemv_part"] == writes["linear_a8_packed_part"] == ["y"]
     assert writes["instruction_peak"] == ["flops"]
-    assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "paged_attention_out",
+    assert not any(writes[op] for op in writes if op not in ("write_kv", "attend_qkv", "attend_qkv_part",
+                                                              "paged_attention_out",
                                                               "prefill_attention_amx",
                                                               "add_rms_norm", "rope", "lora_bgmv", "decode_layer", "bf16_layers",
                                                               "quant_gemv_part", "linear_a8_packed_part",

@@ -8,7 +8,7 @@ loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a
 
 | kernel | ops |
 |---|---|
-| ``paged_attention`` | ``write_kv``, ``paged_attention_out``, ``attend_qkv`` |
+| ``paged_attention`` | ``write_kv``, ``paged_attention_out``, ``attend_qkv``, ``attend_qkv_part`` (a team thread's kv heads of it) |
 | ``gemm`` | ``linear``, ``quant_linear``, ``dequantize`` |
 | ``decode_layer`` | ``decode_layer`` (a model's batch-1 step through its decoder layers: the ops of the other libraries in one call) |
 | ``bf16_layers`` | ``bf16_layers`` (a gguf-bf16 step of several rows through the decoder layers: the ops of the other libraries in one call) |

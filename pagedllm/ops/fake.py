@@ -50,6 +50,12 @@ def _attend_qkv(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, se
     return qkv.new_empty((qkv.shape[0], num_heads * k_cache.shape[2]))
 
 
+@_fake("paged_attention", "attend_qkv_part")
+def _attend_qkv_part(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                     block_size, scale, q_tile, k_scale, v_scale, out, part, parts) -> None:
+    return None
+
+
 @_fake("gemm", "linear")
 def _linear(x, w, bias=None) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))

@@ -194,6 +194,28 @@ def test_cpu_forward_qkv_equals_forward_on_views(cpu_backend, case, cache_dtype)
                                      b.meta.seq_lens, b.meta.query_start_loc, b.meta.block_size, b.scale, 16)
 
 
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attend_qkv_parts_together_equal_the_whole_call(cpu_backend, case, parts, cache_dtype):
+    """decode_layer's team runs attend_qkv by kv head (``attend_qkv_part``, a part a thread): the parts together
+    write the same pool rows and the same attention as one call, bit for bit, in any order (the cases reaching
+    1,000 keys split a head's keys into parts inside one part's call)."""
+    b = make_random_batch(*CASES[case], cache_dtype=cache_dtype, seed=6)
+    T, H, D = b.q.shape
+    qkv = torch.cat([b.q.reshape(T, -1), b.k.reshape(T, -1), b.v.reshape(T, -1)], 1)
+    m = b.meta
+    args = (m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc, m.block_size, b.scale, 16)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    want = torch.ops.pagedllm.attend_qkv(qkv, H, kc, vc, *args)
+    kc2, vc2, got = b.k_cache.clone(), b.v_cache.clone(), torch.full((T, H * D), float("nan"))
+    for p in reversed(range(parts)):
+        torch.ops.pagedllm.attend_qkv_part(qkv, H, kc2, vc2, *args, None, None, got, p, parts)
+    assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    with pytest.raises(RuntimeError, match="part must be in"):
+        torch.ops.pagedllm.attend_qkv_part(qkv, H, kc2, vc2, *args, None, None, got, parts, parts)
+
 def test_cpu_shared_blocks(cpu_backend):
     """Two sequences reading the same physical prefix blocks (prefix cache / fork)."""
     b = make_random_batch([1, 1], [40, 40], block_size=16)

@@ -17,11 +17,17 @@
 // call's parallel region started and joined the team again.
 // One token on more than one thread (one_region): the layers are one OpenMP parallel region instead of one per GEMV
 // and one in attention: each GEMV is split by rows into pieces the team's threads claim (quant_gemv_part /
-// linear_a8_packed_part: the same bits as the whole call), the small ops between them (norms, rope + attention,
-// silu) run on the thread that claims them, and no barrier in between (Relay).
+// linear_a8_packed_part: the same bits as the whole call), attention by kv head (attend_qkv_part, each piece
+// rotating its heads first), and no barrier in between (Relay). The norms and the MLP activation are no phases of
+// their own: each thread computes the normed row (on a copy of h + delta) or the activation itself, with its first
+// piece of the GEMV that reads it (fused_rows.h: the ops' bits), and a residual add lands in h slice by slice in the
+// next GEMV phase, when no piece reads h. Five phases a layer instead of eight, none left to one thread: with the
+// norms, rope + attention and silu each on one thread while the other spun, attention alone took 2.4-3.1 Mcycles of
+// a token's ~15, 1.4-1.8 by kv head; the token 1.065x faster (Zen 3, 2 threads, paired medians of 30, same tokens).
 // Every region's start wakes the other thread and its end joins it; the per-op calls made ~150 such round trips a
 // token on SmolLM2 (a wake from a sleeping thread costs 25-45 us), and split gguf-a8's layer matrices so badly
 // that linear_a8_packed keeps them on one thread. Several rows run op by op (each op's own parallel regions).
+#include "fused_rows.h"
 #include "ops_common.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -34,12 +40,16 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace {
 
 using Tensor = torch::Tensor;
 using OptTensor = std::optional<Tensor>;
+using pagedllm_ops::add_rms_norm_row;
 using pagedllm_ops::op;
+using pagedllm_ops::rotate_head;
+using pagedllm_ops::silu_mul_row;
 
 constexpr int64_t kF32 = 0;  // ggml's type number for fp32: a dense matrix
 
@@ -156,6 +166,21 @@ Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::T
     }
     return *d;
   }
+  // the norms and the activation run inline on each thread (fused_rows.h): their ops' checks, once
+  const int64_t E = h.size(1);
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous(), "decode_layer: h must be contiguous float32");
+  TORCH_CHECK(!delta.has_value() || !delta->defined() ||
+                  (delta->scalar_type() == at::kFloat && delta->is_contiguous() && delta->sizes() == h.sizes()),
+              "decode_layer: delta must be None or a contiguous float32 tensor shaped like h");
+  TORCH_CHECK(rows[1] == E && rows[3] == E && rows[2] % 2 == 0,
+              "decode_layer: o and down must output E values, gate_up an even number");
+  std::vector<const float*> in_w(L), post_w(L);
+  for (int64_t l = 0; l < L; ++l) {
+    for (const Tensor* w : {&input_norms[l], &post_norms[l]})
+      TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == E,
+                  "decode_layer: norm weights must be contiguous float32 [E]");
+    in_w[l] = input_norms[l].data_ptr<float>(), post_w[l] = post_norms[l].data_ptr<float>();
+  }
   // thread t's share of a GEMV into y
   auto part = [&](const Tensor& x, int64_t l, size_t i, const Tensor& y, int64_t t, int64_t n) {
     if (int8_activations) {
@@ -167,25 +192,83 @@ Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::T
       gemv.call(x, wq(l, i), qtypes[4 * l + i], y, t, n);
     }
   };
-  // the outputs, reused by every layer: a layer's first phase has read the last one's down before its own is written
-  auto out = [&](size_t i) { return torch::empty({1, rows[i]}, h.options()); };
-  const Tensor qkv = out(0), o = out(1), gate_up = out(2), down = out(3);
-  Tensor x, attn, act;
-  Relay relay(8 * L);
+  // the shared outputs, reused by every layer: a layer's first phase has read the last one's down before its own is
+  // written; each thread's own normed rows (x) and MLP activation (act)
+  auto out = [&](int64_t n) { return torch::empty({1, n}, h.options()); };
+  const Tensor qkv = out(rows[0]), o = out(rows[1]), gate_up = out(rows[2]), down = out(rows[3]);
+  std::vector<Tensor> xs, acts;
+  for (int t = 0; t < nthreads; ++t) xs.push_back(out(E)), acts.push_back(out(rows[2] / 2));
+  float* hp = h.data_ptr<float>();
+  const float* const d0 = delta.has_value() && delta->defined() ? delta->data_ptr<float>() : nullptr;
+  const float *ob = o.data_ptr<float>(), *downp = down.data_ptr<float>(), *gup = gate_up.data_ptr<float>();
+  const float ep = static_cast<float>(eps);
+  // attention by kv head: each piece rotates its query and key heads, writes its K/V rows and attends its heads
+  const int64_t Hkv = k_caches[0].size(0), group = num_heads / Hkv, half = cos.size(1), ld = qkv.size(1);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == 1 && sin.sizes() == cos.sizes() &&
+                  (num_heads + Hkv) * 2 * half <= ld && num_heads % Hkv == 0,
+              "decode_layer: cos and sin must be contiguous float32 [1, D/2] for the qkv heads");
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* qkvp = qkv.data_ptr<float>();
+  const Tensor attn = out(num_heads * 2 * half);
+  auto attend_part = [&](int64_t l, int64_t p) {
+    static const auto attend = op<void(Tensor, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
+                                       double, int64_t, OptTensor, OptTensor, Tensor, int64_t, int64_t)>(
+        "pagedllm::attend_qkv_part");
+    for (int64_t n : {p * group, num_heads + p})  // the first of its q heads and its k head
+      for (int64_t j = 0; j < (n < num_heads ? group : 1); ++j) {
+        float* x1 = qkvp + (n + j) * 2 * half;
+        rotate_head(x1, x1 + half, x1, x1 + half, cp, sp, half);
+      }
+    const OptTensor ks = k_scales.empty() ? OptTensor() : OptTensor(k_scales[l]);
+    const OptTensor vs = v_scales.empty() ? OptTensor() : OptTensor(v_scales[l]);
+    attend.call(qkv, num_heads, k_caches[l], v_caches[l], slot_mapping, block_tables, seq_lens, query_start_loc,
+                block_size, scale, q_tile, ks, vs, attn, p, Hkv);
+  };
+  Relay relay(5 * L);
   const int64_t pieces = 2 * nthreads;  // per GEMV: a parked thread's share is taken by the others
   const at::ThreadLocalState tls;  // the caller's (inference mode, dispatch keys) for the team's dispatcher calls
 #pragma omp parallel num_threads(nthreads)
   {
     at::ThreadLocalStateGuard guard(tls);
-    for (int64_t l = 0, b = 0; l < L; ++l, b += 8) {
-      relay.phase(b, 1, [&](int64_t) { x = norm.call(h, l ? OptTensor(down) : delta, input_norms[l], eps, false); });
-      relay.phase(b + 1, pieces, [&](int64_t p) { part(x, l, 0, qkv, p, pieces); });
-      relay.phase(b + 2, 1, [&](int64_t) { attn = attention(l, qkv); });  // nested regions inside run on one thread
-      relay.phase(b + 3, pieces, [&](int64_t p) { part(attn, l, 1, o, p, pieces); });
-      relay.phase(b + 4, 1, [&](int64_t) { x = norm.call(h, o, post_norms[l], eps, false); });
-      relay.phase(b + 5, pieces, [&](int64_t p) { part(x, l, 2, gate_up, p, pieces); });
-      relay.phase(b + 6, 1, [&](int64_t) { act = silu_mul.call(gate_up, false); });
-      relay.phase(b + 7, pieces, [&](int64_t p) { part(act, l, 3, down, p, pieces); });
+    const int t = omp_get_thread_num();
+    const Tensor &x = xs[t], &act = acts[t];
+    float *xp = x.data_ptr<float>(), *ap = act.data_ptr<float>();
+    std::vector<float> hd(E);
+    int64_t ready = -1;  // the phase whose input x / act holds
+    // x = rms_norm(h + d) * w, h itself unchanged: the first piece of a phase this thread claims computes it
+    auto norm_once = [&](int64_t phase, const float* d, const float* w) {
+      if (ready == phase) return;
+      std::copy(hp, hp + E, hd.data());
+      if (d) add_rms_norm_row<true>(hd.data(), d, w, xp, E, ep);
+      else add_rms_norm_row<false>(hd.data(), d, w, xp, E, ep);
+      ready = phase;
+    };
+    // h += d on piece p's slice of h, in a phase after the last one reading h
+    auto add_slice = [&](const float* d, int64_t p) {
+      if (d)
+        for (int64_t e = E * p / pieces, end = E * (p + 1) / pieces; e < end; ++e) hp[e] += d[e];
+    };
+    for (int64_t l = 0, b = 0; l < L; ++l, b += 5) {
+      const float* d = l ? downp : d0;
+      relay.phase(b, pieces, [&](int64_t p) {
+        norm_once(b, d, in_w[l]);
+        part(x, l, 0, qkv, p, pieces);
+      });
+      relay.phase(b + 1, Hkv, [&](int64_t p) { attend_part(l, p); });
+      relay.phase(b + 2, pieces, [&](int64_t p) {
+        add_slice(d, p);
+        part(attn, l, 1, o, p, pieces);
+      });
+      relay.phase(b + 3, pieces, [&](int64_t p) {
+        norm_once(b + 3, ob, post_w[l]);
+        part(x, l, 2, gate_up, p, pieces);
+      });
+      relay.phase(b + 4, pieces, [&](int64_t p) {
+        if (ready != b + 4) silu_mul_row(gup, ap, rows[2] / 2), ready = b + 4;
+        add_slice(ob, p);
+        part(act, l, 3, down, p, pieces);
+      });
     }
   }
   relay.rethrow();

@@ -653,9 +653,11 @@ struct Split {  // the items [first, first + count) that cover one (sequence, ti
   int64_t first, count;
 };
 
-// Work items of sequences [seq_begin, seq_end) (see above); returns the partial buffer's size in floats.
+// Work items of sequences [seq_begin, seq_end) and kv heads [h0, h1) (see above); returns the partial buffer's size
+// in floats.
 int64_t make_items(const int32_t* qsl, const int32_t* lens, int64_t seq_begin, int64_t seq_end, int64_t q_tile,
-                   int64_t Hkv, int64_t group, int64_t D, std::vector<Item>& items, std::vector<Split>& splits) {
+                   int64_t h0, int64_t h1, int64_t group, int64_t D, std::vector<Item>& items,
+                   std::vector<Split>& splits) {
   int64_t n_partial = 0;
   for (int64_t b = seq_begin; b < seq_end; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
@@ -664,7 +666,7 @@ int64_t make_items(const int32_t* qsl, const int32_t* lens, int64_t seq_begin, i
       const int64_t per_part = (kv_end + SPLIT_PARTS * CHUNK - 1) / (SPLIT_PARTS * CHUNK) * CHUNK;
       const int64_t part_len = std::max(SPLIT_MIN_KEYS, per_part);
       const bool split = t1 - t0 <= SPLIT_MAX_Q && kv_end > part_len;
-      for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         if (!split) {
           items.push_back({(int32_t)b, (int32_t)t0, (int32_t)t1, (int32_t)h, 0, (int32_t)kv_end, -1, -1});
           continue;
@@ -680,15 +682,25 @@ int64_t make_items(const int32_t* qsl, const int32_t* lens, int64_t seq_begin, i
   return n_partial;
 }
 
+// The queries and the output rows: token t, head h at p + t * s0 + h * s1 (D contiguous values).
+template <typename T>
+struct Heads {
+  T* p;
+  int64_t s0, s1;
+};
+
+// The items on nthreads threads (a parallel region), or on the calling thread alone for nthreads 1 (no region: a
+// team's thread, decode_layer's, calls it for its share).
 template <typename qscalar_t, typename kvscalar_t>
 void run_items(const std::vector<Item>& items, const std::vector<Split>& splits, float* partials,
-               const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::Tensor& out,
-               const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, const int32_t* qsl,
-               int64_t block_size, float scale, int64_t max_rows, Scales ksc = {}, Scales vsc = {}) {
-  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0), group = H / Hkv;
-  const qscalar_t* qp = q.data_ptr<qscalar_t>();
-  qscalar_t* op = out.data_ptr<qscalar_t>();
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+               Heads<const qscalar_t> qh, int64_t H, int64_t D, const torch::Tensor& k_cache,
+               const torch::Tensor& v_cache, Heads<qscalar_t> oh, const int32_t* tables, int64_t table_stride,
+               const int32_t* seq_lens, const int32_t* qsl, int64_t block_size, float scale, int64_t max_rows,
+               int max_threads, Scales ksc = {}, Scales vsc = {}) {
+  const int64_t Hkv = k_cache.size(0), group = H / Hkv;
+  const qscalar_t* qp = qh.p;
+  qscalar_t* op = oh.p;
+  const int64_t qs0 = qh.s0, qs1 = qh.s1, os0 = oh.s0, os1 = oh.s1;
   const kvscalar_t* kp = static_cast<const kvscalar_t*>(k_cache.data_ptr());
   const kvscalar_t* vp = static_cast<const kvscalar_t*>(v_cache.data_ptr());
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
@@ -699,7 +711,7 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
   constexpr bool kv_is_bf16 = std::is_same_v<kvscalar_t, at::BFloat16>;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t block_bytes = block_size * ks1 * static_cast<int64_t>(sizeof(kvscalar_t));  // one head's K
-  const int nthreads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  const int nthreads = std::max<int>(1, std::min<int64_t>(max_threads, n_items));
   std::vector<int32_t> parts_done(splits.size(), 0);
   int64_t items_done = 0;
   // Each thread takes a contiguous run of items of about equal work (keys x rows, plus a fixed cost per item), so
@@ -728,7 +740,7 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
     for (int64_t r = 0; r < R; ++r) {
       float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
       for (int64_t j = 0; j < sp.count; ++j) mx = std::max(mx, partials[items[sp.first + j].part + r]);
-      std::fill(obuf.begin(), obuf.end(), 0.f);
+      std::fill(obuf.begin(), obuf.begin() + D, 0.f);
       for (int64_t j = 0; j < sp.count; ++j) {
         const float* pp = partials + items[sp.first + j].part;
         const float f = std::exp(pp[r] - mx);
@@ -742,11 +754,16 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
     }
   };
 
-#pragma omp parallel num_threads(nthreads)
-  {
-    std::vector<float> qbuf(max_rows * D), acc(max_rows * D), m(max_rows), l(max_rows), s(max_rows * CHUNK);
-    std::vector<float> kbuf(kv_is_float || kv_is_int8 || kv_is_bf16 ? 0 : CHUNK * D), vbuf(kbuf.size()), obuf(D);
-    std::vector<int64_t> pos(max_rows);
+  auto work = [&](const int tid) {
+    // a thread's buffers, kept between calls (a decode step's layers call this ~30 times)
+    thread_local std::vector<float> qbuf, acc, m, l, s, kbuf, vbuf, obuf;
+    thread_local std::vector<int64_t> pos;
+    const int64_t kv_rows = kv_is_float || kv_is_int8 || kv_is_bf16 ? 0 : CHUNK * D;
+    const std::pair<std::vector<float>*, int64_t> sizes[] = {{&qbuf, max_rows * D}, {&acc, max_rows * D},
+        {&m, max_rows}, {&l, max_rows}, {&s, max_rows * CHUNK}, {&kbuf, kv_rows}, {&vbuf, kv_rows}, {&obuf, D}};
+    for (auto [v, n] : sizes)
+      if (static_cast<int64_t>(v->size()) < n) v->resize(n);
+    if (static_cast<int64_t>(pos.size()) < max_rows) pos.resize(max_rows);
     const float* krow[CHUNK];
     const float* vrow[CHUNK];
     const int8_t* krow8[CHUNK];  // int8 pools: the codes in place, with their block's scale per key
@@ -763,7 +780,6 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
 #else
     const bool spread = false;
 #endif
-    const int tid = omp_get_thread_num();
     int ri = 0;  // runs this thread has emptied (its own first)
     auto claim = [&](int64_t& run_end) -> int64_t {  // the thread's next item and the end of its run; -1: none left
       for (; ri < nthreads; ++ri) {
@@ -926,12 +942,18 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
     // The calling thread waits for the other threads' last items spinning (for at most JOIN_SPIN), so it reaches
     // the region's closing barrier last and passes it without sleeping: under pagedllm's OMP_WAIT_POLICY=PASSIVE
     // a sleeping thread takes 25-45 us to wake, about what one layer's int8 attention at 8k takes.
-    if (omp_get_thread_num() == 0) {
+    if (tid == 0 && nthreads > 1) {
       const auto deadline = std::chrono::steady_clock::now() + JOIN_SPIN;
       while (__atomic_load_n(&items_done, __ATOMIC_ACQUIRE) < n_items && std::chrono::steady_clock::now() < deadline)
         spin_pause();
     }
+  };
+  if (nthreads == 1) {
+    work(0);
+    return;
   }
+#pragma omp parallel num_threads(nthreads)
+  work(omp_get_thread_num());
 }
 
 }  // namespace
@@ -950,51 +972,50 @@ bool is_code_dtype(at::ScalarType t) {
   return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
 }
 
-}  // namespace
-
-// Attend the queries of sequences [seq_begin, seq_end) of the flat batch; writes their rows of `out`.
-// k_scale / v_scale: the scales of an int8 or fp8 pool (see the header), None for fp32 / bf16.
-void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                         int64_t block_size, double scale, int64_t seq_begin, int64_t seq_end, int64_t q_tile,
-                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
-              "last dim must be contiguous");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out dtypes differ");
+// Checks the pool and the step's metadata paged attention reads.
+void check_attend(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                  const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                  const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3, "caches must be [Hkv, slots, D]");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "last dim must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v cache dtypes differ");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "num heads must be a multiple of num kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt, "metadata must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && query_start_loc.is_contiguous());
-  const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(is_code_dtype(kv_type) == (k_scale.has_value() && v_scale.has_value()),
+  TORCH_CHECK(is_code_dtype(k_cache.scalar_type()) == (k_scale.has_value() && v_scale.has_value()),
               "int8 / fp8 caches need k_scale and v_scale, float caches take none");
-  const Scales ksc = scales_of(k_scale, k_cache), vsc = scales_of(v_scale, v_cache);
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t Hkv = k_cache.size(0), group = q.size(1) / Hkv, D = q.size(2);
+}
+
+// The attention of sequences [seq_begin, seq_end) and kv heads [h0, h1) on up to max_threads threads: q and out
+// (fp32 where q_f, else bf16) hold H heads of D values a token (see Heads); the rest as check_attend checked it.
+void attend_heads(const void* q, int64_t qs0, int64_t qs1, void* out, int64_t os0, int64_t os1, bool q_f, int64_t H,
+                  int64_t D, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const torch::Tensor& block_tables, const int32_t* lens, const int32_t* qsl, int64_t block_size,
+                  double scale, int64_t seq_begin, int64_t seq_end, int64_t q_tile, int64_t h0, int64_t h1,
+                  const Scales& ksc, const Scales& vsc, int max_threads) {
+  const int64_t group = H / k_cache.size(0);
   q_tile = std::max<int64_t>(1, q_tile);
-  std::vector<Item> items;
-  std::vector<Split> splits;
-  const int64_t n_partial = make_items(qsl, lens, seq_begin, seq_end, q_tile, Hkv, group, D, items, splits);
+  thread_local std::vector<Item> items;  // kept between calls, as the buffers below
+  thread_local std::vector<Split> splits;
+  items.clear();
+  splits.clear();
+  const int64_t n_partial = make_items(qsl, lens, seq_begin, seq_end, q_tile, h0, h1, group, D, items, splits);
   if (items.empty()) return;
   const int64_t max_rows = q_tile * group;
-  thread_local std::vector<float> partials;  // kept between calls: a fresh buffer costs page faults every call
+  thread_local std::vector<float> partials;  // a fresh buffer costs page faults every call
   if (static_cast<int64_t>(partials.size()) < n_partial) partials.resize(n_partial);
-  const bool q_f = q.scalar_type() == at::kFloat;
-  TORCH_CHECK(q_f || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   auto run_kv = [&](auto kvdummy) {
     using KT = decltype(kvdummy);
     auto go = [&](auto qdummy) {
-      run_items<decltype(qdummy), KT>(items, splits, partials.data(), q, k_cache, v_cache, out,
-                                      block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, qsl,
-                                      block_size, static_cast<float>(scale), max_rows, ksc, vsc);
+      using QT = decltype(qdummy);
+      run_items<QT, KT>(items, splits, partials.data(), {static_cast<const QT*>(q), qs0, qs1}, H, D, k_cache, v_cache,
+                        {static_cast<QT*>(out), os0, os1}, block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                        lens, qsl, block_size, static_cast<float>(scale), max_rows, max_threads, ksc, vsc);
     };
     if (q_f) go(float{});
     else go(at::BFloat16{});
   };
-  switch (kv_type) {
+  switch (k_cache.scalar_type()) {
     case at::kFloat: run_kv(float{}); break;
     case at::kBFloat16: run_kv(at::BFloat16{}); break;
     case at::kChar: run_kv(Int8Code{}); break;
@@ -1004,19 +1025,47 @@ void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
   }
 }
 
+}  // namespace
+
+// Attend the queries of sequences [seq_begin, seq_end) of the flat batch; writes their rows of `out`.
+// k_scale / v_scale: the scales of an int8 or fp8 pool (see the header), None for fp32 / bf16.
+void paged_attention_out(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                         int64_t block_size, double scale, int64_t seq_begin, int64_t seq_end, int64_t q_tile,
+                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  check_attend(k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale);
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out must be [T, H, D] with contiguous head rows");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "num heads must be a multiple of num kv heads");
+  attend_heads(q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+               q.scalar_type() == at::kFloat, q.size(1), q.size(2), k_cache, v_cache, block_tables,
+               seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), block_size, scale, seq_begin,
+               seq_end, q_tile, 0, k_cache.size(0), scales_of(k_scale, k_cache), scales_of(v_scale, v_cache),
+               at::get_num_threads());
+}
+
 namespace {
 
+// The step's new K or V rows of kv heads [h0, h1): token t, head h at p + t * s0 + h * s1 (D contiguous values).
+template <typename ST>
+struct NewRows {
+  const ST* p;
+  int64_t s0, s1, T, h0, h1, D;
+  const ST* row(int64_t t, int64_t h) const { return p + t * s0 + h * s1; }
+};
+
 template <typename ST, typename DT>
-void scatter_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
-  const int64_t T = src.size(0), Hkv = src.size(1), D = src.size(2);
-  const ST* sp = src.data_ptr<ST>();
+void scatter_rows(const NewRows<ST>& src, torch::Tensor& cache, const int64_t* slots) {
+  const int64_t T = src.T, D = src.D;
   DT* cp = cache.data_ptr<DT>();
   const int64_t rows = cache.size(1);
   auto rows_of = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+      for (int64_t h = src.h0; h < src.h1; ++h) {
+        const ST* s = src.row(t, h);
         DT* d = cp + (h * rows + slots[t]) * D;
         if constexpr (std::is_same_v<ST, DT>) {
           std::memcpy(d, s, D * sizeof(DT));
@@ -1040,7 +1089,7 @@ void scatter_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t*
 }
 
 template <typename ST>
-void scatter(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
+void scatter(const NewRows<ST>& src, torch::Tensor& cache, const int64_t* slots) {
   if (cache.scalar_type() == at::kFloat)
     scatter_rows<ST, float>(src, cache, slots);
   else
@@ -1054,10 +1103,9 @@ inline float to_f(ST x) { return static_cast<float>(x); }
 // becomes max(old, amax(run) / 127) (old = 0 when the run starts the block); if it grew, the block's earlier
 // codes are re-rounded by old / new; then the run's rows are rounded with it. Same arithmetic as kv_quant.write_int8.
 template <typename ST>
-void write_int8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots,
+void write_int8_rows(const NewRows<ST>& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots,
                      int64_t block_size) {
-  const int64_t T = src.size(0), Hkv = src.size(1), D = src.size(2), rows = cache.size(1);
-  const ST* sp = src.data_ptr<ST>();
+  const int64_t T = src.T, D = src.D, rows = cache.size(1);
   int8_t* cp = cache.data_ptr<int8_t>();
   float* scp = const_cast<float*>(sc.p);
   for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
@@ -1065,10 +1113,10 @@ void write_int8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scale
     for (t1 = t0 + 1; t1 < T && slots[t1] / block_size == blk; ++t1) {}
     for (int64_t t = t0; t < t1; ++t)
       TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
-    for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t h = src.h0; h < src.h1; ++h) {
       float amax = 0.f;
       for (int64_t t = t0; t < t1; ++t) {
-        const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+        const ST* s = src.row(t, h);
         for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(to_f(s[i])));
       }
       float& scale = scp[h * sc.s0 + blk * sc.s1];
@@ -1081,7 +1129,7 @@ void write_int8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scale
       scale = nw;
       const float div = nw > 0.f ? nw : 1.f;
       for (int64_t t = t0; t < t1; ++t) {
-        const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+        const ST* s = src.row(t, h);
         int8_t* d = cp + (h * rows + slots[t]) * D;
         for (int64_t i = 0; i < D; ++i)
           d[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(to_f(s[i]) / div))));
@@ -1092,15 +1140,14 @@ void write_int8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scale
 
 // fp8 rows: divided by the head's scale, saturated at the format's max, rounded to nearest even (as Tensor.to).
 template <typename ST, typename FP8>
-void write_fp8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots) {
-  const int64_t T = src.size(0), Hkv = src.size(1), D = src.size(2), rows = cache.size(1);
+void write_fp8_rows(const NewRows<ST>& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots) {
+  const int64_t T = src.T, D = src.D, rows = cache.size(1);
   const float fmax = static_cast<float>(std::numeric_limits<FP8>::max());
-  const ST* sp = src.data_ptr<ST>();
   FP8* cp = static_cast<FP8*>(cache.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < rows, "slot ", slots[t], " is outside the pool");
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const ST* s = sp + t * src.stride(0) + h * src.stride(1);
+    for (int64_t h = src.h0; h < src.h1; ++h) {
+      const ST* s = src.row(t, h);
       FP8* d = cp + (h * rows + slots[t]) * D;
       const float div = sc.at(h, 0);
       for (int64_t i = 0; i < D; ++i) d[i] = FP8(std::min(fmax, std::max(-fmax, to_f(s[i]) / div)));
@@ -1109,13 +1156,55 @@ void write_fp8_rows(const torch::Tensor& src, torch::Tensor& cache, const Scales
 }
 
 template <typename ST>
-void write_quantized(const torch::Tensor& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots,
+void write_quantized(const NewRows<ST>& src, torch::Tensor& cache, const Scales& sc, const int64_t* slots,
                      int64_t block_size) {
   switch (cache.scalar_type()) {
     case at::kChar: write_int8_rows<ST>(src, cache, sc, slots, block_size); break;
     case at::kFloat8_e4m3fn: write_fp8_rows<ST, c10::Float8_e4m3fn>(src, cache, sc, slots); break;
     default: write_fp8_rows<ST, c10::Float8_e5m2>(src, cache, sc, slots); break;
   }
+}
+
+// Checks write_kv's pool, scales and slots against T new rows of src dtype, Hkv heads of D values.
+void check_write(at::ScalarType src, int64_t T, int64_t Hkv, int64_t D, const torch::Tensor& k_cache,
+                 const torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                 const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                 int64_t block_size) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == Hkv && k_cache.size(2) == D,
+              "caches must be contiguous [Hkv, slots, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  TORCH_CHECK(src == at::kFloat || src == at::kBFloat16, "k must be float32 or bfloat16");
+  const bool quantized = is_code_dtype(k_cache.scalar_type());
+  TORCH_CHECK(quantized || k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "cache must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
+              "int8 / fp8 caches need k_scale and v_scale, float caches take none");
+  TORCH_CHECK(!quantized || (block_size > 0 && k_cache.size(1) % block_size == 0), "bad block_size");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "slot_mapping must be int64 [T]");
+}
+
+// Writes the new K rows (token t, kv head h at kp + t * ks0 + h * ks1) and V rows (vp, vs0, vs1) of kv heads
+// [h0, h1), fp32 where src_f else bf16, into the pool as check_write checked it.
+void write_heads(const void* kp, int64_t ks0, int64_t ks1, const void* vp, int64_t vs0, int64_t vs1, bool src_f,
+                 int64_t T, int64_t h0, int64_t h1, int64_t D, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                 const int64_t* slots, const Scales& ksc, const Scales& vsc, int64_t block_size) {
+  const bool quantized = is_code_dtype(k_cache.scalar_type());
+  auto go = [&](auto dummy) {
+    using ST = decltype(dummy);
+    const NewRows<ST> k{static_cast<const ST*>(kp), ks0, ks1, T, h0, h1, D};
+    const NewRows<ST> v{static_cast<const ST*>(vp), vs0, vs1, T, h0, h1, D};
+    if (quantized) {
+      write_quantized<ST>(k, k_cache, ksc, slots, block_size);
+      write_quantized<ST>(v, v_cache, vsc, slots, block_size);
+    } else {
+      scatter<ST>(k, k_cache, slots);
+      scatter<ST>(v, v_cache, slots);
+    }
+  };
+  if (src_f) go(float{});
+  else go(at::BFloat16{});
 }
 
 }  // namespace
@@ -1128,35 +1217,45 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, int64_t block_size) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be [T, Hkv, D] with contiguous head rows");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(0) == k.size(1) && k_cache.size(2) == k.size(2),
-              "caches must be contiguous [Hkv, slots, D]");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
-  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16, "k must be float32 or bfloat16");
-  const bool quantized = is_code_dtype(k_cache.scalar_type());
-  TORCH_CHECK(quantized || k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-              "cache must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
-  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
-              "int8 / fp8 caches need k_scale and v_scale, float caches take none");
-  TORCH_CHECK(!quantized || (block_size > 0 && k_cache.size(1) % block_size == 0), "bad block_size");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == k.size(0), "slot_mapping must be int64 [T]");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const Scales ksc = scales_of(k_scale, k_cache), vsc = scales_of(v_scale, v_cache);
-  if (quantized && k.scalar_type() == at::kFloat) {
-    write_quantized<float>(k, k_cache, ksc, slots, block_size);
-    write_quantized<float>(v, v_cache, vsc, slots, block_size);
-  } else if (quantized) {
-    write_quantized<at::BFloat16>(k, k_cache, ksc, slots, block_size);
-    write_quantized<at::BFloat16>(v, v_cache, vsc, slots, block_size);
-  } else if (k.scalar_type() == at::kFloat) {
-    scatter<float>(k, k_cache, slots);
-    scatter<float>(v, v_cache, slots);
-  } else {
-    scatter<at::BFloat16>(k, k_cache, slots);
-    scatter<at::BFloat16>(v, v_cache, slots);
-  }
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "dtypes differ");
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  check_write(k.scalar_type(), T, Hkv, D, k_cache, v_cache, slot_mapping, k_scale, v_scale, block_size);
+  write_heads(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+              k.scalar_type() == at::kFloat, T, 0, Hkv, D, k_cache, v_cache, slot_mapping.data_ptr<int64_t>(),
+              scales_of(k_scale, k_cache), scales_of(v_scale, v_cache), block_size);
 }
+
+namespace {
+
+// kv heads [h0, h1) of attend_qkv (below) into their columns of out [T, H D], on up to max_threads threads.
+void attend_qkv_heads(const torch::Tensor& qkv, int64_t H, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                      const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                      const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, int64_t block_size,
+                      double scale, int64_t q_tile, const c10::optional<torch::Tensor>& k_scale,
+                      const c10::optional<torch::Tensor>& v_scale, torch::Tensor& out, int64_t h0, int64_t h1,
+                      int max_threads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
+  TORCH_CHECK(k_cache.dim() == 3, "caches must be [Hkv, slots, D]");
+  const int64_t T = qkv.size(0), Hkv = k_cache.size(0), D = k_cache.size(2);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv has ", qkv.size(1), " columns; (H + 2 Hkv) D = ",
+              (H + 2 * Hkv) * D);
+  TORCH_CHECK(H > 0 && H % Hkv == 0, "num heads must be a multiple of num kv heads");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) >= 1, "query_start_loc must be [B + 1]");
+  check_write(qkv.scalar_type(), T, Hkv, D, k_cache, v_cache, slot_mapping, k_scale, v_scale, block_size);
+  check_attend(k_cache, v_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale);
+  // the q, k and v heads of a row are views of qkv: pointers and strides, not tensors (a view costs a dispatch)
+  const char* base = static_cast<const char*>(qkv.data_ptr());
+  const int64_t ld = qkv.stride(0), es = qkv.element_size();
+  const bool f = qkv.scalar_type() == at::kFloat;
+  const Scales ksc = scales_of(k_scale, k_cache), vsc = scales_of(v_scale, v_cache);
+  write_heads(base + H * D * es, ld, D, base + (H + Hkv) * D * es, ld, D, f, T, h0, h1, D, k_cache, v_cache,
+              slot_mapping.data_ptr<int64_t>(), ksc, vsc, block_size);
+  attend_heads(base, ld, D, out.data_ptr(), out.stride(0), D, f, H, D, k_cache, v_cache, block_tables,
+               seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), block_size, scale, 0,
+               query_start_loc.size(0) - 1, q_tile, h0, h1, ksc, vsc, max_threads);
+}
+
+}  // namespace
 
 // One layer's attention from the fused projection's output qkv [T, (H + 2 Hkv) D] (q heads, then k, then v;
 // rope already applied): writes the new K/V rows to the pool and attends every sequence of the batch; returns
@@ -1166,19 +1265,28 @@ torch::Tensor attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::Tensor k_c
                          torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
                          torch::Tensor query_start_loc, int64_t block_size, double scale, int64_t q_tile,
                          c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
-  TORCH_CHECK(k_cache.dim() == 3, "caches must be [Hkv, slots, D]");
-  const int64_t T = qkv.size(0), Hkv = k_cache.size(0), D = k_cache.size(2), H = num_heads;
-  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv has ", qkv.size(1), " columns; (H + 2 Hkv) D = ",
-              (H + 2 * Hkv) * D);
-  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) >= 1, "query_start_loc must be [B + 1]");
-  const auto q = qkv.narrow(1, 0, H * D).view({T, H, D});
-  write_kv(qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D}), qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D}),
-           k_cache, v_cache, slot_mapping, k_scale, v_scale, block_size);
-  auto out = torch::empty({T, H * D}, qkv.options());
-  paged_attention_out(out.view({T, H, D}), q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size,
-                      scale, 0, query_start_loc.size(0) - 1, q_tile, k_scale, v_scale);
+  auto out = torch::empty({qkv.size(0), num_heads * k_cache.size(2)}, qkv.options());
+  attend_qkv_heads(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                   block_size, scale, q_tile, k_scale, v_scale, out, 0, k_cache.size(0), at::get_num_threads());
   return out;
+}
+
+// attend_qkv's kv heads of part `part` of `parts` (heads [Hkv part / parts, Hkv (part + 1) / parts): their K/V
+// rows written, their query heads attended) into their columns of out [T, H D], in the calling thread: a share of
+// decode_layer's team, which has applied rope to those heads. The same bits as attend_qkv, whatever the split: a
+// kv head's new rows and its items are one part's.
+void attend_qkv_part(torch::Tensor qkv, int64_t num_heads, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+                     torch::Tensor query_start_loc, int64_t block_size, double scale, int64_t q_tile,
+                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, torch::Tensor out,
+                     int64_t part, int64_t parts) {
+  TORCH_CHECK(parts >= 1 && part >= 0 && part < parts, "part must be in [0, parts), got ", part, " of ", parts);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == qkv.size(0) && out.size(1) == num_heads * k_cache.size(2) &&
+                  out.stride(1) == 1 && out.scalar_type() == qkv.scalar_type(),
+              "out must be [T, H D] with contiguous rows, of qkv's dtype");
+  const int64_t Hkv = k_cache.size(0);
+  attend_qkv_heads(qkv, num_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                   block_size, scale, q_tile, k_scale, v_scale, out, Hkv * part / parts, Hkv * (part + 1) / parts, 1);
 }
 
 // Schemas: what each op mutates is declared (Tensor(a!)), so torch.compile functionalizes the calls; the fake
@@ -1193,10 +1301,15 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("attend_qkv(Tensor qkv, int num_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, float scale, int q_tile, "
         "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
+  // attend_qkv's kv heads of one part into out, in the calling thread (a team's share)
+  m.def("attend_qkv_part(Tensor qkv, int num_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size, float scale, int q_tile, "
+        "Tensor(c!)? k_scale, Tensor(d!)? v_scale, Tensor(e!) out, int part, int parts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("paged_attention_out", &paged_attention_out);
   m.impl("write_kv", &write_kv);
   m.impl("attend_qkv", &attend_qkv);
+  m.impl("attend_qkv_part", &attend_qkv_part);
 }
