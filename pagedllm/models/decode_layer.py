@@ -13,8 +13,9 @@ paged kernel (no prefill chunk for SDPA or the AMX kernel), no q/k norm or biase
 parallelism. ``PAGEDLLM_UNFUSED_DECODE=1`` keeps the per-op path (A/B benchmarks).
 
 For one row of GGUF blocks on more than one thread the call runs the layers in one OpenMP parallel region (the
-GEMVs split by rows over the team, the phases handed over through atomic counters, not barriers) instead of a region
-per GEMV and in attention: the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region
+GEMVs split by rows over the team, attention by kv head, the norms and the MLP activation computed by each thread
+for itself, the phases handed over through atomic counters, not barriers) instead of a region per GEMV and in
+attention: the same bits on any thread count. ``PAGEDLLM_DECODE_REGION_PER_OP=1`` keeps a region
 per op (A/B benchmarks). Several rows, and dense matrices, run op by op, each op with its own parallel regions.
 """
 
