@@ -120,8 +120,9 @@ def test_gguf_bf16_rows_on_the_bf16_copies_are_not_fused_here(ckpt, monkeypatch)
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["gguf", "gguf-a8"])
 def test_one_region_layer_on_two_threads_gives_the_one_thread_bits(ckpt, quantization, monkeypatch, two_threads):
-    """The layer as one parallel region (GEMVs split by rows over the team, attention on one thread) computes what
-    one thread computes: the logits and the pool do not depend on the thread count."""
+    """The layer as one parallel region (GEMVs split by rows over the team, attention by kv head, the norms and
+    the activation on each thread) computes what one thread computes: the logits and the pool do not depend on the
+    thread count."""
     if not ops.load("quant_a8"):
         pytest.skip("quant_a8.cpp could not be built here")
     model = llama.LlamaForCausalLM.from_checkpoint(ckpt, quantization=quantization)
