@@ -109,13 +109,41 @@ constexpr int64_t CHUNK = 64;
 // and AVX2 builds fill it). Into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few L1 fill
 // buffers until its line arrives, and the chunk's own loads queue behind them (W1's decode shape with scattered
 // blocks, Zen 4: 23.4 -> 20.4 ms for 30 layers).
-constexpr int PF_LINES = 2048;  // a chunk's K and V rows of up to 1 KB each (fp32 at head_dim 256)
 struct PrefetchQueue {
-  const char* line[PF_LINES];
-  int n = 0, i = 0, per_scores = 0, per_pv = 0;  // lines per 4-key score step / per P@V key
-  inline void issue(int k) {
-    for (; k > 0 && i < n; --k) __builtin_prefetch(line[i++], 0, 2);
+  // the chunk's K and V rows as ranges of lines, one per block (a block's rows are contiguous): the V range of each
+  // at the same offsets as its K range. Issued a line pair (K, V) at a time, from a cursor: a list of every line,
+  // written and then read back a line at a time, cost as many instructions as the score and P@V FMAs it fed
+  // (W1's decode shape from cache, Zen 3: 35-40% of the kernel's time, session 37).
+  const char* k[CHUNK];
+  const char* v[CHUNK];
+  int64_t bytes[CHUNK];
+  int n = 0, per_scores = 0, per_pv = 0;  // ranges; line pairs per 4-key score step / per P@V key
+  int r = 0;                              // the range being issued
+  int64_t off = 0;                        // the next line's offset in it
+  int64_t pairs = 0;                      // line pairs in all the ranges
+  void add(const char* kr, const char* vr, int64_t nbytes) {
+    k[n] = kr, v[n] = vr, bytes[n++] = nbytes;
+    pairs += (nbytes + 63) / 64;
   }
+  inline void issue(int64_t count) {  // the cursor in locals: GCC kept the fields in memory, a store a line
+    if (r >= n || count <= 0) return;
+    const char* kc = k[r] + off;
+    const char* kend = k[r] + bytes[r];
+    ptrdiff_t to_v = v[r] - k[r];
+    for (;;) {
+      __builtin_prefetch(kc, 0, 2);
+      __builtin_prefetch(kc + to_v, 0, 2);
+      kc += 64;
+      if (kc >= kend) {
+        if (++r >= n) return;
+        kc = k[r], kend = kc + bytes[r], to_v = v[r] - kc;
+      }
+      if (--count == 0) break;
+    }
+    off = kc - k[r];
+  }
+  void issue_all() { issue(pairs); }
+  void reset() { n = r = 0, off = pairs = 0; }
 };
 
 // K/V row elements as floats: fp32 rows as they are, int8 codes unscaled (their block's scale multiplies the
@@ -435,6 +463,13 @@ inline typename L::V exp_lanes(typename L::V x) {
   return L::mul(y, L::pow2(fx));
 }
 
+// v, held in a register: GCC otherwise folds a K or V load into each of the 3 FMAs that use it (3 loads where 1
+// does), and the AVX2 score and P@V loops became bound by the load ports (2 a cycle on Zen 3) instead of the FMAs.
+inline __m256 in_register(__m256 v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
 // the four horizontal sums of a0..a3, in order
 inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -528,16 +563,15 @@ inline void scores_block(const float* Q, int64_t R, const T* const* K, const flo
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
                a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
         for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x0 = load8(k0 + d), x1 = load8(k1 + d), x2 = load8(k2 + d), x3 = load8(k3 + d);
-          __m256 qv = _mm256_loadu_ps(q0 + d);
-          a00 = _mm256_fmadd_ps(qv, x0, a00); a01 = _mm256_fmadd_ps(qv, x1, a01);
-          a02 = _mm256_fmadd_ps(qv, x2, a02); a03 = _mm256_fmadd_ps(qv, x3, a03);
-          qv = _mm256_loadu_ps(q1 + d);
-          a10 = _mm256_fmadd_ps(qv, x0, a10); a11 = _mm256_fmadd_ps(qv, x1, a11);
-          a12 = _mm256_fmadd_ps(qv, x2, a12); a13 = _mm256_fmadd_ps(qv, x3, a13);
-          qv = _mm256_loadu_ps(q2 + d);
-          a20 = _mm256_fmadd_ps(qv, x0, a20); a21 = _mm256_fmadd_ps(qv, x1, a21);
-          a22 = _mm256_fmadd_ps(qv, x2, a22); a23 = _mm256_fmadd_ps(qv, x3, a23);
+          const __m256 qa = _mm256_loadu_ps(q0 + d), qb = _mm256_loadu_ps(q1 + d), qc = _mm256_loadu_ps(q2 + d);
+          __m256 x = in_register(load8(k0 + d));
+          a00 = _mm256_fmadd_ps(qa, x, a00); a10 = _mm256_fmadd_ps(qb, x, a10); a20 = _mm256_fmadd_ps(qc, x, a20);
+          x = in_register(load8(k1 + d));
+          a01 = _mm256_fmadd_ps(qa, x, a01); a11 = _mm256_fmadd_ps(qb, x, a11); a21 = _mm256_fmadd_ps(qc, x, a21);
+          x = in_register(load8(k2 + d));
+          a02 = _mm256_fmadd_ps(qa, x, a02); a12 = _mm256_fmadd_ps(qb, x, a12); a22 = _mm256_fmadd_ps(qc, x, a22);
+          x = in_register(load8(k3 + d));
+          a03 = _mm256_fmadd_ps(qa, x, a03); a13 = _mm256_fmadd_ps(qb, x, a13); a23 = _mm256_fmadd_ps(qc, x, a23);
         }
         const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
         _mm_storeu_ps(s0 + o, _mm_mul_ps(hsum4x8(a00, a01, a02, a03), sk));
@@ -601,7 +635,7 @@ inline void pv_block(const float* P, int64_t R, const T* const* V, int64_t n, in
           const T* vr = V[o] + d;
           const __m256 w0 = _mm256_set1_ps(p0[o]), w1 = _mm256_set1_ps(p1[o]), w2 = _mm256_set1_ps(p2[o]);
           for (int j = 0; j < 4; ++j) {
-            const __m256 v = load8(vr + 8 * j);
+            const __m256 v = in_register(load8(vr + 8 * j));
             c[0][j] = _mm256_fmadd_ps(w0, v, c[0][j]);
             c[1][j] = _mm256_fmadd_ps(w1, v, c[1][j]);
             c[2][j] = _mm256_fmadd_ps(w2, v, c[2][j]);
@@ -773,10 +807,9 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
     const at::BFloat16* vrowb[CHUNK];
     PrefetchQueue pfq;
 #ifdef __AVX512F__
-    const bool spread = D % 16 == 0 && 2 * CHUNK * ((ks1 * static_cast<int64_t>(sizeof(kvscalar_t)) + 63) / 64) <= PF_LINES;
+    const bool spread = D % 16 == 0;
 #elif defined(__AVX2__)  // the AVX2 score and P@V blocks (3 rows) take the queue from D % 32 == 0
-    const bool spread =
-        D % 32 == 0 && 2 * CHUNK * ((ks1 * static_cast<int64_t>(sizeof(kvscalar_t)) + 63) / 64) <= PF_LINES;
+    const bool spread = D % 32 == 0;
 #else
     const bool spread = false;
 #endif
@@ -835,7 +868,7 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
         const int32_t* ptable = tables + pw.seq * table_stride;
         const int64_t pstart = ahead ? ahead->k_begin : c0 + CHUNK;
         const int64_t stop = std::min<int64_t>(pstart + CHUNK, pw.k_end);
-        pfq.n = pfq.i = 0;
+        pfq.reset();
         for (int64_t lp = pstart, lb = lp / block_size, off = lp - lb * block_size; lp < stop; ++lb, off = 0) {
           const int64_t cnt = std::min(block_size - off, stop - lp);
           const int64_t slot0 = static_cast<int64_t>(ptable[lb]) * block_size + off;
@@ -845,20 +878,20 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
           const bool page_start = block_bytes >= 4096 && (reinterpret_cast<uintptr_t>(kr) & 4095) == 0;
           const bool follows = ahead ? lp - cnt > pstart : lb > 0;  // a block after one being read
           if (follows && ptable[lb] == ptable[lb - 1] + 1 && !page_start) continue;
-          for (int64_t b = 0; b < cnt * ks1 * static_cast<int64_t>(sizeof(kvscalar_t)); b += 64) {
-            if (spread) {
-              pfq.line[pfq.n++] = kr + b;
-              pfq.line[pfq.n++] = vr + b;
-              continue;
-            }
+          const int64_t nbytes = cnt * ks1 * static_cast<int64_t>(sizeof(kvscalar_t));
+          if (spread) {
+            pfq.add(kr, vr, nbytes);
+            continue;
+          }
+          for (int64_t b = 0; b < nbytes; b += 64) {
             __builtin_prefetch(kr + b, 0, 3);
             __builtin_prefetch(vr + b, 0, 3);
           }
         }
         if (spread) {  // half over the score steps (n / 4), half over the P@V keys (n)
-          const int half = (pfq.n + 1) / 2;
-          pfq.per_scores = n >= 4 ? (half + n / 4 - 1) / (n / 4) : half;
-          pfq.per_pv = (half + n - 1) / n;
+          const int64_t half = (pfq.pairs + 1) / 2;
+          pfq.per_scores = static_cast<int>(n >= 4 ? (half + n / 4 - 1) / (n / 4) : half);
+          pfq.per_pv = static_cast<int>((half + n - 1) / n);
         }
         // the chunk's K/V row pointers, one block-table lookup per block
         for (int64_t o = 0, lb = c0 / block_size, off = c0 - lb * block_size; o < n; ++lb, off = 0) {
@@ -921,7 +954,7 @@ void run_items(const std::vector<Item>& items, const std::vector<Split>& splits,
         if constexpr (kv_is_int8) pv_block(s0, Ra, vrow8, n, D, acc.data() + r0 * D, pf);
         else if constexpr (kv_is_bf16) pv_block(s0, Ra, vrowb, n, D, acc.data() + r0 * D, pf);
         else pv_block(s0, Ra, vrow, n, D, acc.data() + r0 * D, pf);
-        if (pf) pf->issue(pf->n);  // whatever the loops left (short chunks, other paths)
+        if (pf) pf->issue_all();  // whatever the loops left (short chunks, other paths)
       }
       if (w.split >= 0) {  // a part of a split: (max, sum, unnormalised rows); the last part done combines
         float* pp = partials + w.part;
