@@ -31,15 +31,16 @@ def smol(ckpt):
     return ckpt, llama.LlamaForCausalLM.from_checkpoint(ckpt)  # auto: the GGUF blocks
 
 
-def run_steps(model, backend, decode_steps: int, kv_dtype: torch.dtype = torch.float32, seqs: int = 1
-              ) -> tuple[list[torch.Tensor], KVCache]:
-    """One prefill step of ``seqs`` prompts (40, 32, ... tokens) then decode steps of all of them (``seqs`` rows);
-    the logits of each step and the pool."""
+def run_steps(model, backend, decode_steps: int, kv_dtype: torch.dtype = torch.float32, seqs: int = 1,
+              prompt: int = 40) -> tuple[list[torch.Tensor], KVCache]:
+    """One prefill step of ``seqs`` prompts (``prompt``, ``prompt`` - 8, ... tokens) then decode steps of all of them
+    (``seqs`` rows); the logits of each step and the pool."""
     cfg = model.config
-    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4 * seqs, 16, dtype=kv_dtype)
+    per_seq = -(-(prompt + decode_steps) // 16)  # blocks of 16 slots
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, per_seq * seqs, 16, dtype=kv_dtype)
     runner = ForwardPass(model, kv, get_backend(backend) if isinstance(backend, str) else backend)
-    tables = [list(range(4 * s, 4 * s + 4)) for s in range(seqs)]
-    lens = [40 - 8 * s for s in range(seqs)]
+    tables = [list(range(per_seq * s, per_seq * (s + 1))) for s in range(seqs)]
+    lens = [prompt - 8 * s for s in range(seqs)]
     out = [runner.execute([SeqChunk(list(range(300 + s, 300 + s + n)), 0, t)
                            for s, (n, t) in enumerate(zip(lens, tables))])]
     out += [runner.execute([SeqChunk([500 + step + s], n + step, t) for s, (n, t) in enumerate(zip(lens, tables))])
@@ -80,6 +81,27 @@ def test_fused_steps_equal_the_per_op_path_bit_for_bit(ckpt, quantization, kv_dt
     assert calls == [sum(40 - 8 * s for s in range(seqs))] + [seqs] * 4  # every step's rows, all their layers
     monkeypatch.setattr(fused, "FUSED", False)
     want, kv_want = run_steps(model, "cpu", 4, kv_dtype, seqs)
+    assert_same_steps(got, kv_got, want, kv_want, model.config.num_layers)
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-a8", "none"])
+def test_a_long_prompt_step_takes_its_gate_up_in_row_chunks_with_the_same_bits(ckpt, quantization, monkeypatch):
+    """A prompt step of more than ``kActRows`` (1,024) rows runs gate/up and silu * up chunk by chunk (never the
+    whole [T, 2I]): the per-op path's logits and pool, bit for bit, on each GEMM format."""
+    if quantization == "gguf-a8" and not ops.load("quant_a8"):
+        pytest.skip("quant_a8.cpp could not be built here")
+    model = llama.LlamaForCausalLM.from_checkpoint(ckpt, dtype=torch.float32, quantization=quantization)
+    calls = count_fused_calls(monkeypatch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        got, kv_got = run_steps(model, "cpu", 1, seqs=2, prompt=1100)
+    assert calls == [1100 + 1092, 2]
+    silu_rows = [e.input_shapes[0][0] for e in prof.events() if e.name == "pagedllm::silu_mul"]
+    layers = model.config.num_layers
+    assert sorted(silu_rows) == sorted([730, 731, 731] * layers + [2] * layers)  # 2,192 rows in 3 chunks, the decode
+    monkeypatch.setattr(fused, "FUSED", False)
+    want, kv_want = run_steps(model, "cpu", 1, seqs=2, prompt=1100)
     assert_same_steps(got, kv_got, want, kv_want, model.config.num_layers)
 
 

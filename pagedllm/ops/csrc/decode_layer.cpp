@@ -52,6 +52,7 @@ using pagedllm_ops::rotate_head;
 using pagedllm_ops::silu_mul_row;
 
 constexpr int64_t kF32 = 0;  // ggml's type number for fp32: a dense matrix
+constexpr int64_t kActRows = 1024;  // rows of a prompt step's gate/up GEMM at a time (see mlp_act)
 
 // The team's phases without barriers: a phase's work is cut into pieces claimed from an atomic counter, so the
 // threads that are running do all of it, and a thread waits only for pieces another has claimed and not finished
@@ -157,12 +158,26 @@ Tensor decode_layer(Tensor h, OptTensor delta, at::TensorList input_norms, at::T
       static const auto gemm = op<Tensor(Tensor, Tensor, int64_t, OptTensor)>("pagedllm::quant_linear");
       return gemm.call(x, wq(l, i), qtypes[4 * l + i], std::nullopt);
     };
+    // silu(gate) * up of x's rows, in chunks of at most kActRows rows: a prompt step's whole [T, 2I] (48 MB for 4,096
+    // rows of SmolLM2) is past glibc's largest mmap threshold (32 MB), so every layer mapped it afresh, its 2 MB pages
+    // zeroed in the page faults, and unmapped it; a chunk's is heap memory used again chunk after chunk, read back
+    // from L3. Chunks of at least PANEL_MIN_ROWS rows: gemm.cpp's panels, the bits of the whole call.
+    auto mlp_act = [&](const Tensor& x, int64_t l) {
+      const int64_t T = x.size(0), chunks = (T + kActRows - 1) / kActRows;
+      if (chunks == 1) return silu_mul.call(linear(x, l, 2), false);
+      Tensor act = torch::empty({T, rows[2] / 2}, x.options());
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t b = T * c / chunks, e = T * (c + 1) / chunks;
+        act.narrow(0, b, e - b).copy_(silu_mul.call(linear(x.narrow(0, b, e - b), l, 2), false));
+      }
+      return act;
+    };
     OptTensor d = delta;
     for (int64_t l = 0; l < L; ++l) {
       Tensor x = norm.call(h, d, input_norms[l], eps, false);
       Tensor o = linear(attention(l, linear(x, l, 0)), l, 1);
       x = norm.call(h, o, post_norms[l], eps, false);
-      d = linear(silu_mul.call(linear(x, l, 2), false), l, 3);
+      d = linear(mlp_act(x, l), l, 3);
     }
     return *d;
   }
