@@ -401,7 +401,7 @@ inline bool gemm_v1() {
 // Below GROUP_MIN_ROWS rows, while a panel's tiles run, the next panel's Q4_1 blocks are prefetched into L2: packing
 // reads 16 short row streams (360 bytes each at K = 576) that the hardware prefetcher leaves to DRAM latency. The 30
 // layers' GEMMs of the embedded model, blocks out of cache (Zen 3, 2 threads, alternating call by call): 1.05-1.07x
-// at 16 rows, 1.03-1.05x at 24-40, 1.01-1.02x at 48-64; from GROUP_MIN_ROWS rows the pack is a small share. Not for
+// at 16 rows, 1.03-1.05x at 24-40, 1.01-1.03x at 48-64; from GROUP_MIN_ROWS rows the pack is a small share. Not for
 // Q8_0 (the LM head, 612-byte rows): 0.98x.
 // (Packing and applying it in L1-sized K chunks measured no faster, again with Q4_1's byte-transposed pack. Q8_0
 // keeps the dequantize-then-transpose pack: its bytes transposed the same way measured slower for the LM head.)
