@@ -31,15 +31,20 @@
 #include "ops_common.h"
 
 #include <ATen/ThreadLocalState.h>
+#include <linux/futex.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <climits>
+#include <ctime>
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -56,9 +61,10 @@ constexpr int64_t kActRows = 1024;  // rows of a prompt step's gate/up GEMM at a
 
 // The team's phases without barriers: a phase's work is cut into pieces claimed from an atomic counter, so the
 // threads that are running do all of it, and a thread waits only for pieces another has claimed and not finished
-// (spinning, then yielding the core). A thread the OS has parked (another process on its core) holds nothing up
-// unless it was parked mid-piece; at a barrier every thread would wait for it (for whole time slices). The first
-// error is kept for the caller and the phases after it are skipped, each piece still counted done: no thread hangs.
+// (spinning, then asleep on the counter: see kSpinFor). A thread the OS has parked (another process on its core) holds
+// nothing up unless it was parked mid-piece; at a barrier every thread would wait for it (for whole time slices).
+// The first error is kept for the caller and the phases after it are skipped, each piece still counted done: no
+// thread hangs.
 class Relay {
  public:
   explicit Relay(int64_t phases) : counters_(new Counter[phases]) {}
@@ -67,7 +73,7 @@ class Relay {
   template <typename F>
   void phase(int i, int64_t pieces, F&& piece) {
     Counter& c = counters_[i];
-    for (int64_t p; (p = c.next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
+    for (int32_t p; (p = c.next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
       if (!failed_.load(std::memory_order_acquire)) {
         try {
           piece(p);
@@ -77,11 +83,25 @@ class Relay {
           failed_.store(true, std::memory_order_release);
         }
       }
-      c.done.fetch_add(1, std::memory_order_release);
+      c.done.fetch_add(1, std::memory_order_seq_cst);
+      if (c.sleepers.load(std::memory_order_seq_cst) > 0) futex(c.done, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr);
     }
-    for (int spins = 0; c.done.load(std::memory_order_acquire) < pieces; ++spins) {
-      if (spins < kSpins) _mm_pause();
-      else std::this_thread::yield();
+    const auto sleep_from = std::chrono::steady_clock::now() + kSpinFor;
+    for (int spins = 0;; ++spins) {
+      const int32_t done = c.done.load(std::memory_order_acquire);
+      if (done >= pieces) return;
+      if (spins % 64 || std::chrono::steady_clock::now() < sleep_from) {
+        _mm_pause();
+        continue;
+      }
+      // asleep until done moves (the kernel compares it with `done` first; a finisher that saw no sleeper was seen
+      // here), or 1 ms as a guard
+      c.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (c.done.load(std::memory_order_seq_cst) == done) {
+        const timespec guard{0, 1000000};
+        futex(c.done, FUTEX_WAIT_PRIVATE, done, &guard);
+      }
+      c.sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
   }
 
@@ -90,11 +110,17 @@ class Relay {
   }
 
  private:
-  // pauses before yielding: ~4096 x 65 cycles (Zen 3), ~0.1 ms, longer than a layer's longest phase (attention)
-  static constexpr int kSpins = 4096;
+  // Spun before sleeping: longer than a layer's longest phase (attention; at 4k tokens one thread's 2 kv heads to
+  // the other's 1 outlast 0.1 ms). A wait past it is for a thread parked mid-piece: yielding kept this core busy, so
+  // the scheduler left the parked thread queued behind the other process for its time slice; asleep, this core is
+  // idle and takes it over.
+  static constexpr std::chrono::microseconds kSpinFor{1000};
   struct alignas(64) Counter {
-    std::atomic<int64_t> next{0}, done{0};
+    std::atomic<int32_t> next{0}, done{0}, sleepers{0};
   };
+  static void futex(std::atomic<int32_t>& word, int op, int32_t value, const timespec* timeout) {
+    syscall(SYS_futex, reinterpret_cast<int32_t*>(&word), op, value, timeout, nullptr, 0);
+  }
   std::unique_ptr<Counter[]> counters_;
   std::atomic<bool> failed_{false};
   std::mutex mutex_;
