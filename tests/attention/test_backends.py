@@ -79,6 +79,24 @@ def test_cpu_fp32(cpu_backend, case, block_size, group):
     _check(cpu_backend, ql, sl, atol=1e-5, block_size=block_size, group=group, num_kv_heads=2)
 
 
+@pytest.mark.parametrize("group", [5, 7])  # leftover rows of a GQA group: 2-row and 1-row blocks after 3-row ones
+def test_cpu_a_querys_rows_have_the_same_bits_in_a_prefill_tile_and_a_decode(cpu_backend, group):
+    """A query head's output must not depend on which row block of the kernel computes it: the last query of a
+    prefill chunk (its heads spread over 3-row blocks and a leftover block) against the same query as a decode
+    (leftover rows in 1- or 2-row blocks), bit for bit. A scalar loop for leftover rows broke this on AVX2."""
+    torch.manual_seed(0)
+    hkv, d, bs, n = 2, 64, 16, 150
+    tables = torch.randperm(12, dtype=torch.int32)[None, :10]
+    kc, vc = torch.randn(hkv, 12 * bs, d), torch.randn(hkv, 12 * bs, d)
+    q = torch.randn(2, group * hkv, d)  # the chunk's 2 queries, at positions n - 2 and n - 1
+    lens = torch.tensor([n], dtype=torch.int32)
+    chunk, step = torch.empty_like(q), torch.empty_like(q[1:])
+    attend = torch.ops.pagedllm.paged_attention_out.default
+    attend(chunk, q, kc, vc, tables, lens, torch.tensor([0, 2], dtype=torch.int32), bs, 0.125, 0, 1, 16)
+    attend(step, q[1:].contiguous(), kc, vc, tables, lens, torch.tensor([0, 1], dtype=torch.int32), bs, 0.125, 0, 1, 16)
+    assert torch.equal(chunk[1:], step)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_bf16_cache(cpu_backend, q_dtype):
     ql, sl = CASES["mixed"]

@@ -477,6 +477,81 @@ inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+
+// S rows r < NR (CHUNK apart) for keys [0, n), AVX2, D % 8 == 0: NR rows x 4 keys of accumulators, each loaded K
+// vector (in a register, see in_register) feeding NR FMAs. The NR Q vectors are held in registers too (NR = 3:
+// all 16 in use); GCC otherwise folded a Q load into each FMA, 16 loads per 12 FMAs, bound by the load ports (Zen
+// 3, one thread: 27.5 -> 17.6 cycles a key from L1; prefill chunks, 15 prompts of 32-512 tokens, 2 threads, 30
+// layers 94 -> 105 GFLOP/s; W1's decode shape out of cache 28.1 -> 26.7 ms). NR < 3 takes a GQA group's last rows
+// (Qwen2.5's 7 query heads a kv head: a scalar loop there had doubled a decode's attention). A row's sums are the
+// same whichever NR computes it.
+template <int NR, typename T>
+inline void scores_rows8(const float* Q, const T* const* K, const float* kmul, int64_t n, int64_t D, float scale,
+                         float* S, PrefetchQueue* pf) {
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    if (pf) pf->issue(pf->per_scores);
+    const T* k[4] = {K[o], K[o + 1], K[o + 2], K[o + 3]};
+    __m256 a[NR][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 q[NR];
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) q[i] = in_register(_mm256_loadu_ps(Q + i * D + d));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 x = in_register(load8(k[j] + d));
+        for (int i = 0; i < NR; ++i) a[i][j] = _mm256_fmadd_ps(q[i], x, a[i][j]);
+      }
+    }
+    const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(hsum4x8(a[i][0], a[i][1], a[i][2], a[i][3]), sk));
+  }
+  for (; o < n; ++o) {
+    __m256 a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = _mm256_setzero_ps();
+    const float so = kmul ? scale * kmul[o] : scale;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x = load8(K[o] + d);
+      for (int i = 0; i < NR; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + i * D + d), x, a[i]);
+    }
+    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = hsum8(a[i]) * so;
+  }
+}
+
+// A rows r < NR (D apart) += sum_o P[r * CHUNK + o] * V[o] for o < n, AVX2, D % 32 == 0: NR rows x 32 columns of
+// accumulators (12 + 3 weights + 1 V vector: the 16 registers at NR = 3), so each loaded V vector feeds NR FMAs.
+// (Holding all 4 of a row's V vectors at once needs 19 registers: GCC spilled the accumulators to the stack, 8%
+// slower from cache.) The prefetch queue is fed from the first 32 columns' pass.
+template <int NR, typename T>
+inline void pv_rows8(const float* P, const T* const* V, int64_t n, int64_t D, float* A, PrefetchQueue* pf) {
+  for (int64_t d = 0; d < D; d += 32, pf = nullptr) {
+    __m256 c[NR][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < 4; ++j) c[i][j] = _mm256_loadu_ps(A + i * D + d + 8 * j);
+    for (int64_t o = 0; o < n; ++o) {
+      if (pf) pf->issue(pf->per_pv);
+      const T* vr = V[o] + d;
+      __m256 w[NR];
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) w[i] = _mm256_set1_ps(P[i * CHUNK + o]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = in_register(load8(vr + 8 * j));
+        for (int i = 0; i < NR; ++i) c[i][j] = _mm256_fmadd_ps(w[i], v, c[i][j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(A + i * D + d + 8 * j, c[i][j]);
+  }
+}
 #endif
 
 inline float max_of(const float* s, int64_t n, float init) {
@@ -537,10 +612,8 @@ inline float exp_sub_sum(float* s, int64_t n, float mx, const float* mul) {
 }
 
 // S[r * CHUNK + o] = scale * dot(Q[r], K[o]) for r < R, o < n (Q rows are D apart). Blocks of 3 rows x 4 keys
-// keep 12 accumulators in registers, so each loaded K vector feeds 3 FMAs and each Q vector 4. AVX2: the 3 Q
-// vectors are held in registers too (all 16 in use); GCC otherwise folded a Q load into each FMA, 16 loads per 12
-// FMAs, bound by the load ports (Zen 3, one thread: 27.5 -> 17.6 cycles a key from L1; prefill chunks, 15 prompts
-// of 32-512 tokens, 2 threads, 30 layers 94 -> 105 GFLOP/s; W1's decode shape out of cache 28.1 -> 26.7 ms).
+// keep 12 accumulators in registers, so each loaded K vector feeds 3 FMAs and each Q vector 4 (see scores_rows8 /
+// scores_cols16); a GQA group's last 1-2 rows take 1- and 2-row blocks.
 // kmul: a multiplier per key (an int8 row's block scale), or null.
 template <typename T>
 inline void scores_block(const float* Q, int64_t R, const T* const* K, const float* kmul, int64_t n, int64_t D,
@@ -557,47 +630,10 @@ inline void scores_block(const float* Q, int64_t R, const T* const* K, const flo
 #endif
 #ifdef __AVX2__
   if (D % 8 == 0) {
-    const __m128 sc = _mm_set1_ps(scale);
-    for (; r + 3 <= R; r += 3, pf = nullptr) {
-      const float *q0 = Q + r * D, *q1 = q0 + D, *q2 = q1 + D;
-      float *s0 = S + r * CHUNK, *s1 = s0 + CHUNK, *s2 = s1 + CHUNK;
-      int64_t o = 0;
-      for (; o + 4 <= n; o += 4) {
-        if (pf) pf->issue(pf->per_scores);
-        const T *k0 = K[o], *k1 = K[o + 1], *k2 = K[o + 2], *k3 = K[o + 3];
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
-               a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 qa = in_register(_mm256_loadu_ps(q0 + d)), qb = in_register(_mm256_loadu_ps(q1 + d)),
-                       qc = in_register(_mm256_loadu_ps(q2 + d));
-          __m256 x = in_register(load8(k0 + d));
-          a00 = _mm256_fmadd_ps(qa, x, a00); a10 = _mm256_fmadd_ps(qb, x, a10); a20 = _mm256_fmadd_ps(qc, x, a20);
-          x = in_register(load8(k1 + d));
-          a01 = _mm256_fmadd_ps(qa, x, a01); a11 = _mm256_fmadd_ps(qb, x, a11); a21 = _mm256_fmadd_ps(qc, x, a21);
-          x = in_register(load8(k2 + d));
-          a02 = _mm256_fmadd_ps(qa, x, a02); a12 = _mm256_fmadd_ps(qb, x, a12); a22 = _mm256_fmadd_ps(qc, x, a22);
-          x = in_register(load8(k3 + d));
-          a03 = _mm256_fmadd_ps(qa, x, a03); a13 = _mm256_fmadd_ps(qb, x, a13); a23 = _mm256_fmadd_ps(qc, x, a23);
-        }
-        const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
-        _mm_storeu_ps(s0 + o, _mm_mul_ps(hsum4x8(a00, a01, a02, a03), sk));
-        _mm_storeu_ps(s1 + o, _mm_mul_ps(hsum4x8(a10, a11, a12, a13), sk));
-        _mm_storeu_ps(s2 + o, _mm_mul_ps(hsum4x8(a20, a21, a22, a23), sk));
-      }
-      for (; o < n; ++o) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0;
-        const float so = kmul ? scale * kmul[o] : scale;
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x = load8(K[o] + d);
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), x, a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), x, a1);
-          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), x, a2);
-        }
-        s0[o] = hsum8(a0) * so;
-        s1[o] = hsum8(a1) * so;
-        s2[o] = hsum8(a2) * so;
-      }
-    }
+    for (; r + 3 <= R; r += 3, pf = nullptr) scores_rows8<3>(Q + r * D, K, kmul, n, D, scale, S + r * CHUNK, pf);
+    if (R - r == 2) scores_rows8<2>(Q + r * D, K, kmul, n, D, scale, S + r * CHUNK, pf);
+    if (R - r == 1) scores_rows8<1>(Q + r * D, K, kmul, n, D, scale, S + r * CHUNK, pf);
+    return;
   }
 #endif
   for (; r < R; ++r) {
@@ -612,9 +648,8 @@ inline void scores_block(const float* Q, int64_t R, const T* const* K, const flo
 }
 
 // A[r][:] += sum_o P[r * CHUNK + o] * V[o][:] for r < R (A rows are D apart; an int8 row's block scale is already
-// folded into its weight). AVX2: blocks of 3 rows x 32 columns keep 12 accumulators in registers, so each loaded V
-// vector feeds 3 FMAs. (Holding all 4 of a row's V vectors at once needs 19 registers: GCC spilled the accumulators
-// to the stack, 8% slower from cache.) AVX-512: 3 rows x 64 columns (32 registers).
+// folded into its weight). AVX2: blocks of 3 rows x 32 columns (pv_rows8); AVX-512: 3 rows x 64 columns (32
+// registers, pv_cols16); a GQA group's last 1-2 rows take 1- and 2-row blocks.
 template <typename T>
 inline void pv_block(const float* P, int64_t R, const T* const* V, int64_t n, int64_t D, float* A,
                      PrefetchQueue* pf = nullptr) {
@@ -629,28 +664,10 @@ inline void pv_block(const float* P, int64_t R, const T* const* V, int64_t n, in
 #endif
 #ifdef __AVX2__
   if (D % 32 == 0) {
-    for (; r + 3 <= R; r += 3) {
-      const float *p0 = P + r * CHUNK, *p1 = p0 + CHUNK, *p2 = p1 + CHUNK;
-      float* a = A + r * D;
-      for (int64_t d = 0; d < D; d += 32, pf = nullptr) {
-        __m256 c[3][4];
-        for (int i = 0; i < 3; ++i)
-          for (int j = 0; j < 4; ++j) c[i][j] = _mm256_loadu_ps(a + i * D + d + 8 * j);
-        for (int64_t o = 0; o < n; ++o) {  // 12 accumulators + 3 weights + 1 V vector: the 16 registers
-          if (pf) pf->issue(pf->per_pv);
-          const T* vr = V[o] + d;
-          const __m256 w0 = _mm256_set1_ps(p0[o]), w1 = _mm256_set1_ps(p1[o]), w2 = _mm256_set1_ps(p2[o]);
-          for (int j = 0; j < 4; ++j) {
-            const __m256 v = in_register(load8(vr + 8 * j));
-            c[0][j] = _mm256_fmadd_ps(w0, v, c[0][j]);
-            c[1][j] = _mm256_fmadd_ps(w1, v, c[1][j]);
-            c[2][j] = _mm256_fmadd_ps(w2, v, c[2][j]);
-          }
-        }
-        for (int i = 0; i < 3; ++i)
-          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(a + i * D + d + 8 * j, c[i][j]);
-      }
-    }
+    for (; r + 3 <= R; r += 3, pf = nullptr) pv_rows8<3>(P + r * CHUNK, V, n, D, A + r * D, pf);
+    if (R - r == 2) pv_rows8<2>(P + r * CHUNK, V, n, D, A + r * D, pf);
+    if (R - r == 1) pv_rows8<1>(P + r * CHUNK, V, n, D, A + r * D, pf);
+    return;
   }
 #endif
   for (; r < R; ++r) {
