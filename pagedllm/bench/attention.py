@@ -1,9 +1,10 @@
 """Attention backend micro-benchmark (per layer call) and the random paged batch it runs on.
 
 ``run(quick=False) -> dict`` times every backend in ``pagedllm.attention.BACKENDS`` for decode at
-batch 1/8/32/64 over ~512 cached tokens and for one 512-token prefill, with SmolLM2 shapes
-(9 heads, 3 kv heads, head_dim 64), plus flex's per-step BlockMask build and compile cost.
-``to_markdown(result)`` renders it.
+batch 1/8/32/64 over ~512 cached tokens and for one 512-token prefill, with the shapes of the two models we ship
+for (SmolLM2-135M: 9 heads, 3 kv heads; Qwen2.5-0.5B: 14 heads, 2 kv heads, a GQA group of 7; head_dim 64), plus
+flex's per-step BlockMask build and compile cost. ``to_markdown(result)`` renders it, with each shape's time per
+(query head, key) so the two groups compare.
 """
 
 from __future__ import annotations
@@ -87,68 +88,69 @@ def _median_time(fn, reps: int, warmup: int = 2) -> float:
 
 
 SMOLLM2 = dict(num_kv_heads=3, group=3, head_dim=64)
+SHAPES = {"SmolLM2-135M": SMOLLM2, "Qwen2.5-0.5B": dict(num_kv_heads=2, group=7, head_dim=64)}
 
 
-def run(quick: bool = False, backends: tuple[str, ...] | None = None, context: int = 512, reps: int | None = None) -> dict:
+def run(quick: bool = False, backends: tuple[str, ...] | None = None, context: int = 512,
+        reps: int | None = None) -> dict:
     from pagedllm.attention import BACKENDS, get_backend
 
     names = tuple(backends or BACKENDS)
     reps = reps or (5 if quick else 11)
     batches = (1, 8) if quick else (1, 8, 32, 64)
     prefill_len = 128 if quick else 512
-    result: dict = {
-        "shapes": dict(SMOLLM2, block_size=16, context=context, prefill_len=prefill_len),
-        "threads": torch.get_num_threads(),
-        "decode_us": {},
-        "prefill_us": {},
-        "setup": {},
-    }
+    result: dict = {"threads": torch.get_num_threads(), "setup": {}, "models": {}}
     instances = {}
     for name in names:
         t0 = time.perf_counter()
         instances[name] = get_backend(name)
         result["setup"][name] = {"init_s": time.perf_counter() - t0}
-
-    cases = {f"decode_b{bs}": make_random_batch([1] * bs, [context] * bs, **SMOLLM2) for bs in batches}
-    cases["prefill"] = make_random_batch([prefill_len], [prefill_len], **SMOLLM2)
-    for name, be in instances.items():
-        for case, b in cases.items():
-            # first call: compile (flex) / build; timed separately
-            t0 = time.perf_counter()
-            run_backend(be, b)
-            first = time.perf_counter() - t0
-            result["setup"][name][f"first_call_{case}_s"] = first
-            kc, vc = b.k_cache.clone(), b.v_cache.clone()
-            be.prepare(b.meta)
-            t = _median_time(lambda: be.forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale), reps)
-            key = "prefill_us" if case == "prefill" else "decode_us"
-            sub = "prefill" if case == "prefill" else int(case.split("_b")[1])
-            result[key].setdefault(name, {})[sub] = t * 1e6
-            if hasattr(be, "prepare"):
-                result.setdefault("prepare_us", {}).setdefault(name, {})[sub] = (
-                    _median_time(lambda: be.prepare(b.meta), reps) * 1e6
-                )
+    for model, shape in SHAPES.items():
+        res = result["models"][model] = {
+            "shapes": dict(shape, block_size=16, context=context, prefill_len=prefill_len),
+            "decode_us": {}, "prefill_us": {}, "prepare_us": {},
+        }
+        cases = {f"decode_b{bs}": make_random_batch([1] * bs, [context] * bs, **shape) for bs in batches}
+        cases["prefill"] = make_random_batch([prefill_len], [prefill_len], **shape)
+        for name, be in instances.items():
+            for case, b in cases.items():
+                # first call: compile (flex) / build; timed separately
+                t0 = time.perf_counter()
+                run_backend(be, b)
+                result["setup"][name][f"first_call_{model}_{case}_s"] = time.perf_counter() - t0
+                kc, vc = b.k_cache.clone(), b.v_cache.clone()
+                be.prepare(b.meta)
+                t = _median_time(lambda: be.forward(b.q, b.k, b.v, kc, vc, b.meta, b.scale), reps)
+                key = "prefill_us" if case == "prefill" else "decode_us"
+                sub = "prefill" if case == "prefill" else int(case.split("_b")[1])
+                res[key].setdefault(name, {})[sub] = t * 1e6
+                res["prepare_us"].setdefault(name, {})[sub] = _median_time(lambda: be.prepare(b.meta), reps) * 1e6
     return result
 
 
 def to_markdown(result: dict) -> str:
     lines = []
-    sh = result["shapes"]
-    lines.append(
-        f"Attention per layer call, {result['threads']} threads; H={sh['num_kv_heads'] * sh['group']}, "
-        f"Hkv={sh['num_kv_heads']}, D={sh['head_dim']}, block_size={sh['block_size']}, decode context "
-        f"{sh['context']}, prefill {sh['prefill_len']} tokens (median µs)"
-    )
-    lines.append("")
-    batches = sorted({b for d in result["decode_us"].values() for b in d})
-    lines.append("| backend | " + " | ".join(f"decode b={b}" for b in batches) + " | prefill | prepare (b=max) |")
-    lines.append("|---|" + "---|" * (len(batches) + 2))
-    for name, d in result["decode_us"].items():
-        p = result["prefill_us"].get(name, {}).get("prefill", float("nan"))
-        prep = result.get("prepare_us", {}).get(name, {})
-        prep_s = f"{prep.get(batches[-1], float('nan')):.0f}" if prep else "-"
-        lines.append(f"| {name} | " + " | ".join(f"{d.get(b, float('nan')):.0f}" for b in batches) + f" | {p:.0f} | {prep_s} |")
-    lines.append("")
+    for model, res in result["models"].items():
+        sh = res["shapes"]
+        heads = sh["num_kv_heads"] * sh["group"]
+        lines.append(
+            f"**{model}**: attention per layer call, {result['threads']} threads; H={heads}, Hkv={sh['num_kv_heads']}, "
+            f"D={sh['head_dim']}, block_size={sh['block_size']}, decode context {sh['context']}, prefill "
+            f"{sh['prefill_len']} tokens (median µs; last column: decode at the largest batch in ns per query head "
+            "and key, which compares the shapes)"
+        )
+        lines.append("")
+        batches = sorted({b for d in res["decode_us"].values() for b in d})
+        lines.append("| backend | " + " | ".join(f"decode b={b}" for b in batches)
+                     + " | prefill | prepare (b=max) | ns / (head, key) |")
+        lines.append("|---|" + "---|" * (len(batches) + 3))
+        for name, d in res["decode_us"].items():
+            p = res["prefill_us"].get(name, {}).get("prefill", float("nan"))
+            prep = res["prepare_us"].get(name, {}).get(batches[-1], float("nan"))
+            per_key = d.get(batches[-1], float("nan")) * 1e3 / (batches[-1] * heads * sh["context"])
+            lines.append(f"| {name} | " + " | ".join(f"{d.get(b, float('nan')):.0f}" for b in batches)
+                         + f" | {p:.0f} | {prep:.0f} | {per_key:.3f} |")
+        lines.append("")
     lines.append("First call (build / compile) seconds:")
     for name, s in result["setup"].items():
         parts = ", ".join(f"{k}={v:.2f}" for k, v in s.items())
