@@ -153,6 +153,38 @@ struct PrefetchQueue {
 inline float elem(const float* p, int64_t d) { return p[d]; }
 inline float elem(const int8_t* p, int64_t d) { return static_cast<float>(p[d]); }
 inline float elem(const at::BFloat16* p, int64_t d) { return static_cast<float>(p[d]); }
+#ifdef __AVX2__
+// The score loop of every layout and ISA: NR rows x 4 keys of accumulators per step (each K vector feeds NR FMAs),
+// summed 4 keys at a time; dot4(o, a) / dot1(o, a) add the products of keys o.. into them. Sum: the vector type and
+// its sums (Sum8: AVX2, Sum16: AVX-512). kmul: a multiplier per key (an int8 row's block scale), or null.
+template <int NR, typename Sum, typename Dot4, typename Dot1>
+inline void score_loop(int64_t n, float scale, const float* kmul, float* S, PrefetchQueue* pf, Dot4&& dot4,
+                       Dot1&& dot1) {
+  using V = typename Sum::V;
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    if (pf) pf->issue(pf->per_scores);
+    V a[NR][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < 4; ++j) a[i][j] = Sum::zero();
+    dot4(o, a);
+    const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i)
+      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(Sum::hsum4(a[i][0], a[i][1], a[i][2], a[i][3]), sk));
+  }
+  for (; o < n; ++o) {
+    V a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = Sum::zero();
+    dot1(o, a);
+    const float so = kmul ? scale * kmul[o] : scale;
+    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = Sum::reduce(a[i]) * so;
+  }
+}
+#endif
+
 #ifdef __AVX512F__
 using pagedllm_ops::load16;  // fp32 and bf16 rows; int8 codes here (a local overload would hide them otherwise)
 inline __m512 load16(const int8_t* p) {
@@ -170,35 +202,12 @@ inline __m128 hsum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4,
                                                                         8, 12), u));
 }
-
-// The score loop of every layout: NR rows x 4 keys of accumulators per step (each K vector feeds NR FMAs), summed
-// 4 keys at a time (hsum4x16); dot4(o, a) / dot1(o, a) add the products of keys o.. into them. kmul: a multiplier
-// per key (an int8 row's block scale), or null.
-template <int NR, typename Dot4, typename Dot1>
-inline void score_loop(int64_t n, float scale, const float* kmul, float* S, PrefetchQueue* pf, Dot4&& dot4,
-                       Dot1&& dot1) {
-  const __m128 sc = _mm_set1_ps(scale);
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    if (pf) pf->issue(pf->per_scores);
-    __m512 a[NR][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
-    dot4(o, a);
-    const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i)
-      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(hsum4x16(a[i][0], a[i][1], a[i][2], a[i][3]), sk));
-  }
-  for (; o < n; ++o) {
-    __m512 a[NR];
-    for (int i = 0; i < NR; ++i) a[i] = _mm512_setzero_ps();
-    dot1(o, a);
-    const float so = kmul ? scale * kmul[o] : scale;
-    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = _mm512_reduce_add_ps(a[i]) * so;
-  }
-}
+struct Sum16 {
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static __m128 hsum4(V a0, V a1, V a2, V a3) { return hsum4x16(a0, a1, a2, a3); }
+  static float reduce(V a) { return _mm512_reduce_add_ps(a); }
+};
 
 // S rows r < NR (CHUNK apart) for keys [0, n): NR rows x 4 keys of accumulators in registers (NR = 3: 12 of the
 // 32), so each K vector (int8: converted once) feeds NR FMAs. D % 16 == 0; ND = D / 16 keeps the Q rows in
@@ -230,7 +239,7 @@ inline void scores_rows16(const float* Q, const T* const* K, const float* kmul, 
       for (int i = 0; i < NR; ++i) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(Q + i * D + d), x, a[i]);
     }
   };
-  score_loop<NR>(n, scale, kmul, S, pf, dot4, dot1);
+  score_loop<NR, Sum16>(n, scale, kmul, S, pf, dot4, dot1);
 }
 
 // bf16 rows at head_dim 32 / 64, 32 dims per 64-byte load: the even dims are the load shifted left 16 bits and the
@@ -283,7 +292,7 @@ inline void scores_rows_bf16(const float* Q, const at::BFloat16* const* K, int64
       for (int i = 0; i < NR; ++i) a[i] = _mm512_fmadd_ps(qo[i][g], od, _mm512_fmadd_ps(qe[i][g], e, a[i]));
     }
   };
-  score_loop<NR>(n, scale, static_cast<const float*>(nullptr), S, pf, dot4, dot1);
+  score_loop<NR, Sum16>(n, scale, static_cast<const float*>(nullptr), S, pf, dot4, dot1);
 }
 
 // pv_rows16 for bf16 rows over all D = 32 G dims (G <= 2: NR x 2 G accumulators)
@@ -338,7 +347,7 @@ inline void scores_rows_dpbf16(const float* Q, const at::BFloat16* const* K, int
       for (int i = 0; i < NR; ++i) a[i] = _mm512_dpbf16_ps(a[i], qb[i][g], k);
     }
   };
-  score_loop<NR>(n, scale, static_cast<const float*>(nullptr), S, pf, dot4, dot1);
+  score_loop<NR, Sum16>(n, scale, static_cast<const float*>(nullptr), S, pf, dot4, dot1);
 }
 #endif
 
@@ -477,6 +486,12 @@ inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+struct Sum8 {
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static __m128 hsum4(V a0, V a1, V a2, V a3) { return hsum4x8(a0, a1, a2, a3); }
+  static float reduce(V a) { return hsum8(a); }
+};
 
 // S rows r < NR (CHUNK apart) for keys [0, n), AVX2, D % 8 == 0: NR rows x 4 keys of accumulators, each loaded K
 // vector (in a register, see in_register) feeding NR FMAs. The NR Q vectors are held in registers too (NR = 3:
@@ -488,15 +503,8 @@ inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 template <int NR, typename T>
 inline void scores_rows8(const float* Q, const T* const* K, const float* kmul, int64_t n, int64_t D, float scale,
                          float* S, PrefetchQueue* pf) {
-  const __m128 sc = _mm_set1_ps(scale);
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    if (pf) pf->issue(pf->per_scores);
+  auto dot4 = [&](int64_t o, __m256 (&a)[NR][4]) {
     const T* k[4] = {K[o], K[o + 1], K[o + 2], K[o + 3]};
-    __m256 a[NR][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       __m256 q[NR];
 #pragma GCC unroll 4
@@ -507,21 +515,14 @@ inline void scores_rows8(const float* Q, const T* const* K, const float* kmul, i
         for (int i = 0; i < NR; ++i) a[i][j] = _mm256_fmadd_ps(q[i], x, a[i][j]);
       }
     }
-    const __m128 sk = kmul ? _mm_mul_ps(sc, _mm_loadu_ps(kmul + o)) : sc;
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i)
-      _mm_storeu_ps(S + i * CHUNK + o, _mm_mul_ps(hsum4x8(a[i][0], a[i][1], a[i][2], a[i][3]), sk));
-  }
-  for (; o < n; ++o) {
-    __m256 a[NR];
-    for (int i = 0; i < NR; ++i) a[i] = _mm256_setzero_ps();
-    const float so = kmul ? scale * kmul[o] : scale;
+  };
+  auto dot1 = [&](int64_t o, __m256 (&a)[NR]) {
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 x = load8(K[o] + d);
       for (int i = 0; i < NR; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + i * D + d), x, a[i]);
     }
-    for (int i = 0; i < NR; ++i) S[i * CHUNK + o] = hsum8(a[i]) * so;
-  }
+  };
+  score_loop<NR, Sum8>(n, scale, kmul, S, pf, dot4, dot1);
 }
 
 // A rows r < NR (D apart) += sum_o P[r * CHUNK + o] * V[o] for o < n, AVX2, D % 32 == 0: NR rows x 32 columns of
