@@ -36,11 +36,9 @@ def guidellm_command() -> list[str]:
 
 
 def histograms(srv) -> dict[str, float]:
-    """The _sum and _count of the server's vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds."""
+    """Every sample of the server's /metrics by name (the histograms' _sum and _count among them)."""
     text = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {srv.api_key}"}).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name.endswith(("_sum", "_count")) and s.name.startswith(("vllm:time_to_first_token_seconds",
-                                                                         "vllm:e2e_request_latency_seconds"))}
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def mean_ms(before: dict[str, float], after: dict[str, float], family: str) -> float:
