@@ -76,9 +76,12 @@ double run_unit(const std::string& unit, int64_t iters, double& sink) {
   if (unit == "amx_bf16" && pagedllm_ops::amx_usable()) {
     const pagedllm_ops::TileConfig cfg;
     _tile_loadconfig(&cfg);
+    _tile_zero(0);  // tile numbers are immediates: GCC's macros paste them into the instruction
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     _tile_zero(4);
     _tile_zero(5);
-    for (int t = 0; t < 4; ++t) _tile_zero(t);
     for (int64_t i = 0; i < iters; ++i) {  // 4 x 3 = ACC tile products a round: 16 x 16 outputs, 32 products each
       for (int r = 0; r < 3; ++r) {
         _tile_dpbf16ps(0, 4, 5);
