@@ -96,6 +96,8 @@ def _cases() -> list[tuple[str, tuple, dict]]:
                              torch.ops.pagedllm.amx_pack_bf16(torch.randn(40, 70, generator=g).bfloat16()), 40), {}),
         ("amx_linear_silu_bf16", (torch.randn(20, 70, generator=g).bfloat16(),
                                   torch.ops.pagedllm.amx_pack_bf16(torch.randn(64, 70, generator=g).bfloat16()), 64), {}),
+        ("amx_blocks_linear_bf16", (torch.randn(3, 64, generator=g).bfloat16(), q4, 9), {}),
+        ("amx_blocks_linear_silu_bf16", (torch.randn(3, 64, generator=g).bfloat16(), _blocks(Q4_1, 32, 64), 32), {}),
         ("lora_bgmv", (torch.randn(3, 20, generator=g), torch.randn(3, 12, generator=g),
                        torch.randn(2, 2, 4, 12, generator=g), [torch.randn(2, 4, 8), torch.randn(2, 4, 5)], [0, 9],
                        torch.tensor([1, -1, 0])), {}),
@@ -128,7 +130,8 @@ def _cases() -> list[tuple[str, tuple, dict]]:
 
     out.append(("bf16_layers", (torch.randn(3, 64, generator=g), None, [torch.rand(64), torch.rand(64)],
                                 [torch.rand(64), torch.rand(64)], 1e-5, packed(128, 64), packed(64, 64),
-                                packed(128, 64), packed(64, 64), [128, 64, 128, 64], torch.randn(3, 8, generator=g),
+                                packed(128, 64), packed(64, 64), [128, 64, 128, 64], [], 16,
+                                torch.randn(3, 8, generator=g),
                                 torch.randn(3, 8, generator=g), 4, [r.k_cache, r2.k_cache], [r.v_cache, r2.v_cache],
                                 rm.slot_mapping, rm.block_tables, rm.seq_lens, rm.query_start_loc, rm.block_size,
                                 r.scale, 4, [], []), {}))

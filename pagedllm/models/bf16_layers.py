@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm import ops
-from pagedllm.models.bf16_gemm import COPY_MAX_ROWS
+from pagedllm.models.bf16_gemm import BLOCKS_MAX_ROWS, COPY_MAX_ROWS
 from pagedllm.models.decode_layer import LayerArgs
 from pagedllm.models.quant import MATRICES, QuantizedWeight
 
@@ -48,6 +48,9 @@ class FusedBF16Layers(LayerArgs):
             return
         super().__init__(layers)
         self.matrices = [[c[i].amx for c in per_layer] for i in range(len(MATRICES))]
+        # the GGUF blocks for steps of up to BLOCKS_MAX_ROWS rows, where every matrix keeps them (bf16_linear's rule)
+        keep = all(c.blocks is not None for layer in per_layer for c in layer)
+        self.blocks = [c.blocks for layer in per_layer for c in layer] if keep else []
         self.rows = [c.shape[0] for c in per_layer[0]]
         self.min_rows = max(c.min_rows for c in per_layer[0])
 
@@ -60,6 +63,7 @@ class FusedBF16Layers(LayerArgs):
         if getattr(backend, "name", None) != "cpu" or not backend.kernel_only(kv_cache.layer(0)[0], meta):
             return False
         return bool(ops.load("bf16_layers") and ops.load("amx_gemm") and ops.load("fused_ops")
+                    and (not self.blocks or ops.load("amx_blocks"))
                     and ops.load("paged_attention"))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta, backend,
@@ -68,6 +72,7 @@ class FusedBF16Layers(LayerArgs):
         layer's MLP output in bf16 (the final norm's delta)."""
         kd, vd, ks, vs = self.pool(kv_cache)
         return torch.ops.pagedllm.bf16_layers.default(
-            h, None, self.input_norms, self.post_norms, self.eps, *self.matrices, self.rows, cos, sin,
+            h, None, self.input_norms, self.post_norms, self.eps, *self.matrices, self.rows, self.blocks,
+            BLOCKS_MAX_ROWS, cos, sin,
             self.num_heads, kd, vd, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.block_size, float(scale), backend.q_tile, ks, vs)

@@ -31,23 +31,25 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm import ops
-from pagedllm.config.device import cpu_has_amx_bf16, cpu_has_native_bf16
+from pagedllm.config.device import cpu_has_native_bf16
 from pagedllm.models.bf16_gemm import PackedBF16, bf16_linear
-from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, QUANT_NAMES
+from pagedllm.ops.gguf_blocks import BLOCK_BYTES, PACKED_BYTES, Q4_1, QUANT_NAMES
 
 # auto: "gguf" when the checkpoint has block matrices, activations are fp32 and the kernel builds (the
 # weights are the same values either way); else "none"
 QUANTIZATIONS = ("auto", "none", "gguf", "gguf-a8", "gguf-bf16")
 # gguf-bf16: GEMMs of at least this many rows take the bf16 copy, fewer read the blocks (exact fp32), per CPU class:
-# - AMX Xeon: the block kernel streams fewer bytes and ran faster at 1-4 rows (1.5-3x), 8 rows even; from 16 rows the
-#   bf16 GEMM led 1.5-4x. So 8 there, and on CPUs where bf16 is emulated (gguf-bf16 is not `auto` there).
 # - AVX512-BF16 without tiles (Zen 4 / 5, VDPBF16PS): the copy from 2 rows. W1's prompts, decode steps, medians, Zen 4:
 #   2 rows 10.7-12.5 ms a step against 11.4-15.3 (3 alternations), 5 rows 12.2-12.6 against 16.6-20.8, 7 rows
 #   12.8-13.4 against 19.9-24.0: the blocks' fp32 FMAs unpacking Q4_1 bound them, the copy's VDPBF16PS streams.
-#   One row (the fused batch-1 layers) stays on the blocks.
+# - AMX Xeon: from 2 rows too, where up to BLOCKS_MAX_ROWS rows the tiles read the blocks themselves (bf16_gemm.py):
+#   the 30 layers' GEMMs (2 cores, session 44) 8.4 ms at 2-4 rows against 9.2 / 10.8 / 14.0 for the exact blocks at
+#   2 / 4 / 7 rows and 10.2 for the copy. (Session 9 had set 8 there: the block kernel then led the copy below 8.)
+# - Where bf16 is emulated (gguf-bf16 is not `auto` there): 8.
+# One row (the fused batch-1 layers) stays on the exact blocks.
 def default_bf16_min_rows() -> int:
     """``BF16_MIN_ROWS`` for this CPU class (why: the comment above)."""
-    return 2 if cpu_has_native_bf16() and not cpu_has_amx_bf16() else 8
+    return 2 if cpu_has_native_bf16() else 8
 
 
 BF16_MIN_ROWS = int(os.environ.get("PAGEDLLM_BF16_MIN_ROWS", default_bf16_min_rows()))
@@ -142,7 +144,9 @@ class QuantizedWeight:
         (``quantization="gguf-bf16"``); the blocks stay for smaller ones and for embedding lookups."""
         if self.int8_activations:
             raise ValueError("gguf-bf16 keeps the exact blocks for small GEMMs; gguf-a8's packed matrices are not")
-        return replace(self, bf16=PackedBF16.of(self.dequantize(), min_rows))
+        # the blocks go with the copy where the AMX kernel reads them: Q4_1 (Q8_0's measured even with its copy)
+        blocks = self.data if self.qtype == Q4_1 else None
+        return replace(self, bf16=PackedBF16.of(self.dequantize(), min_rows, blocks))
 
 
 def save_blocks(blocks: dict[str, QuantizedWeight], path: str) -> None:

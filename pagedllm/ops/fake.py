@@ -74,7 +74,8 @@ def _decode_layer(h, delta, input_norms, post_norms, eps, qkv_wq, o_wq, gate_up_
 
 
 @_fake("bf16_layers", "bf16_layers")
-def _bf16_layers(h, delta, input_norms, post_norms, eps, qkv_w, o_w, gate_up_w, down_w, rows, cos, sin, num_heads,
+def _bf16_layers(h, delta, input_norms, post_norms, eps, qkv_w, o_w, gate_up_w, down_w, rows, blocks, blocks_max_rows,
+                 cos, sin, num_heads,
                  k_caches, v_caches, slot_mapping, block_tables, seq_lens, query_start_loc, block_size, scale, q_tile,
                  k_scales, v_scales) -> torch.Tensor:
     return h.new_empty(h.shape, dtype=torch.bfloat16)
@@ -180,6 +181,16 @@ def _amx_linear_bf16(x, packed, N) -> torch.Tensor:
 
 @_fake("amx_gemm", "amx_linear_silu_bf16")
 def _amx_linear_silu_bf16(x, packed, N) -> torch.Tensor:
+    return x.new_empty((x.shape[0], N // 2))
+
+
+@_fake("amx_blocks", "amx_blocks_linear_bf16")
+def _amx_blocks_linear_bf16(x, blocks, N) -> torch.Tensor:
+    return x.new_empty((x.shape[0], N))
+
+
+@_fake("amx_blocks", "amx_blocks_linear_silu_bf16")
+def _amx_blocks_linear_silu_bf16(x, blocks, N) -> torch.Tensor:
     return x.new_empty((x.shape[0], N // 2))
 
 

@@ -50,13 +50,12 @@ def test_bf16_linear_is_a_bf16_gemm_in_the_activations_dtype():
 
 
 def test_bf16_min_rows_per_cpu_class(monkeypatch):
-    """The copy from 2 rows on AVX512-BF16 CPUs without tiles (VDPBF16PS beat the blocks there), from 8 on AMX Xeons
-    and where bf16 is emulated; PAGEDLLM_BF16_MIN_ROWS wins over both."""
+    """The copy from 2 rows where bf16 is native (VDPBF16PS, or AMX tiles reading the blocks, beat the exact blocks
+    there), from 8 where it is emulated; PAGEDLLM_BF16_MIN_ROWS wins over both."""
     from pagedllm.models import quant
 
-    for native, amx, rows in ((True, False, 2), (True, True, 8), (False, False, 8)):
+    for native, rows in ((True, 2), (False, 8)):
         monkeypatch.setattr(quant, "cpu_has_native_bf16", lambda n=native: n)
-        monkeypatch.setattr(quant, "cpu_has_amx_bf16", lambda a=amx: a)
         assert quant.default_bf16_min_rows() == rows
     code = "from pagedllm.models.quant import BF16_MIN_ROWS; print(BF16_MIN_ROWS)"
     env = {**os.environ, "PAGEDLLM_BF16_MIN_ROWS": "5"}

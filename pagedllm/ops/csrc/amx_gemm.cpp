@@ -70,10 +70,6 @@ torch::Tensor amx_unpack_bf16(const torch::Tensor& packed, int64_t N, int64_t K)
 }
 
 #ifdef __AVX512BF16__
-inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 and widened back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 // rows of c (row stride cstride floats) into y (row stride ldy): with SILU, each row's 16 gate columns (c) and 16 up
 // columns (c + up) as silu(gate) * up, each rounded to bf16 first as the plain GEMM's output would be (so the
 // result is silu_mul's of that output, bit for bit); else cols columns rounded to bf16.

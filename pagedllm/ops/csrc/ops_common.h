@@ -113,6 +113,13 @@ inline __m512 silu_mul16_bf16(__m512 g, __m512 u) {
   const __m512 e = exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
 }
+
+#ifdef __AVX512BF16__
+// v rounded to bf16 (VCVTNEPS2BF16: nearest even) and widened back: a GEMM output as its bf16 result holds it
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+#endif
 #endif
 #endif
 
