@@ -15,8 +15,8 @@ engine and this client while a rate is served. On a machine whose cores all run 
 CPU time is time the engine's thread team stalls.
 
 Dtypes as in ``bench throughput``: our server gets ``--dtype`` as given, so ``auto`` runs what our ``auto`` picks
-(on a CPU with native bf16 and a GGUF model: ``gguf-bf16``, bf16 GEMMs from ``BF16_MIN_ROWS`` rows on (2, or 8 on
-AMX), a bf16 KV pool and decode steps of fewer rows from the exact blocks), and vLLM gets the dtype ``auto``
+(on a CPU with native bf16 and a GGUF model: ``gguf-bf16``, bf16 GEMMs from ``BF16_MIN_ROWS`` = 2 rows on, a bf16
+KV pool and batch-1 decode steps from the exact blocks), and vLLM gets the dtype ``auto``
 resolves to (bf16 there), its own choice for that model. Before session 13 both got the resolved dtype, which held
 ours to dense bf16 weights: batch-1 decode then streamed 2.8x the bytes and its ITL was vLLM's, not half of it.
 """

@@ -17,6 +17,7 @@ loaded by :func:`load`; callers check :func:`load` and fall back to ATen where a
 | ``quant_a8`` | ``linear_a8``, ``quantize_a8``, ``pack_a8``, ``linear_a8_packed``, ``linear_a8_packed_part`` |
 | ``lora_bgmv`` | ``lora_bgmv`` |
 | ``amx_gemm`` | ``amx_pack_bf16``, ``amx_linear_bf16``, ``amx_linear_silu_bf16`` (bf16 GEMMs on AMX tiles: decode steps and light-load prefills; gate/up with silu in its epilogue) |
+| ``amx_blocks`` | ``amx_blocks_linear_bf16``, ``amx_blocks_linear_silu_bf16`` (small decode steps' bf16 GEMMs on AMX tiles from Q4_1 blocks rounded to bf16 in the kernel: the packed copy's bits from 3.2x fewer bytes) |
 | ``amx_attention`` | ``prefill_attention_amx`` (causal prefill attention over a bf16 pool on AMX tiles or with VDPBF16PS, head_dim 64) |
 | ``peak`` | ``instruction_peak`` (the cores' arithmetic peak per instruction: FMA, VDPBF16PS, VPDPBUSD, AMX tiles; for ``bench roofline``) |
 | ``step_inputs`` | ``step_inputs`` (a step's input ids, positions, slot mapping, block tables, lengths and adapter ids gathered from the worker's persistent batch) |
