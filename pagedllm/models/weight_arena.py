@@ -58,11 +58,10 @@ def _rebuilt(w: object, moved: dict[int, torch.Tensor]) -> object:
     if isinstance(w, QuantizedWeight):
         return dataclasses.replace(w, data=moved[id(w.data)], bf16=w.bf16 and _rebuilt(w.bf16, moved))
     # a bf16 copy that was not packed for our kernel (its plain tensor; oneDNN's own packing) did not move
-    # (its blocks are its matrix's, moved with them)
     if w.amx is None:
         return w
-    blocks = w.blocks if w.blocks is None else moved.get(id(w.blocks), w.blocks)
-    return dataclasses.replace(w, amx=moved[id(w.amx)], blocks=blocks)
+    # its blocks are its QuantizedWeight's data, moved with it
+    return dataclasses.replace(w, amx=moved[id(w.amx)], blocks=w.blocks if w.blocks is None else moved[id(w.blocks)])
 
 
 def gather_matrices(slots: list[tuple[nn.Module, str]]) -> int:

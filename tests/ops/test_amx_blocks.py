@@ -26,6 +26,11 @@ def _blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(quantize(w, gguf.GGMLQuantizationType(qtype)))
 
 
+def _aten_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T in fp32 rounded to bf16 (the reference where the tiles' bits are not at hand)."""
+    return torch.nn.functional.linear(x.float(), w.float()).bfloat16()
+
+
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 64), (64, 96), (3072, 576)])
 def test_blocks_gemm_is_the_copys_gemm(N, K):
     blocks = _blocks(Q4_1, N, K)
@@ -35,7 +40,7 @@ def test_blocks_gemm_is_the_copys_gemm(N, K):
     for M in (1, 2, 7, 16, 17, 31, 32):
         x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
         got = [torch.ops.pagedllm.amx_blocks_linear_bf16(x, blocks, N)]
-        ref = [torch.ops.pagedllm.amx_linear_bf16(x, packed, N) if amx_bf16_available() else F_linear(x, w)]
+        ref = [torch.ops.pagedllm.amx_linear_bf16(x, packed, N) if amx_bf16_available() else _aten_product(x, w)]
         if N % 32 == 0:
             got.append(torch.ops.pagedllm.amx_blocks_linear_silu_bf16(x, blocks, N))
             y = ref[0].float()
@@ -47,10 +52,6 @@ def test_blocks_gemm_is_the_copys_gemm(N, K):
                 assert torch.equal(g.view(torch.int16), r.view(torch.int16)), (M, N, K)
             else:
                 torch.testing.assert_close(g.float(), r.float(), rtol=2 ** -6, atol=1e-3)
-
-
-def F_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x.float(), w.float()).bfloat16()
 
 
 def test_blocks_gemm_refuses_what_it_cannot_compute():

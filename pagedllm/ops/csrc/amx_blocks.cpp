@@ -32,12 +32,17 @@ using namespace pagedllm_ops;
 constexpr int64_t MAX_ROWS = 32;  // two 16-row groups against two n-blocks: accumulators 0-3
 
 #ifdef PAGEDLLM_AMX
+// lane i holds i * stride: the offsets of a gather over 16 rows (or columns) stride elements apart
+inline __m512i lane_offsets(int64_t stride) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(static_cast<int32_t>(stride)));
+}
+
 // The scales of a K step's blocks (rows r < nrows of 16, row stride row_bytes, from w) as fp32 d[r] and m[r],
 // converted 16 at a time from one gather of each block's first 32 bits; the blocks then broadcast them from memory
 // (a load, not a shuffle on the port the conversions need).
 inline void block_scales(const char* w, int64_t nrows, int64_t row_bytes, float* d, float* m) {
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  const __m512i rows = lane_offsets(row_bytes);
   const __mmask16 mask = static_cast<__mmask16>((1u << nrows) - 1);
   const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, rows, w, 1);
   _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
@@ -59,8 +64,7 @@ inline void block_bf16(const BlockQ4_1& b, float d, float m, uint16_t* out) {
 // column kb's 32 for rows 16 g .. 16 g + 15 (zero past M). One gather of 16 pairs a row.
 void pack_xt(const uint16_t* x, int64_t M, int64_t K, int64_t Kb, int64_t G, uint32_t* xt) {
   const int32_t* x32 = reinterpret_cast<const int32_t*>(x);
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int32_t>(K / 2)));
+  const __m512i rows = lane_offsets(K / 2);
 #pragma omp for schedule(static)
   for (int64_t kb = 0; kb < Kb; ++kb)
     for (int64_t g = 0; g < G; ++g) {
@@ -136,8 +140,7 @@ void run_blocks(const char* w, int64_t N, int64_t Kb, const uint16_t* x, int64_t
     _tile_loadconfig(&cfg);
     alignas(64) uint16_t abuf[2 * 1024];
     alignas(64) float ct[2][4 * 256];
-    const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(16));
+    const __m512i col = lane_offsets(16);  // a C^T tile's column
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t n0 = 32 * t, nrows = std::min<int64_t>(32, (SILU ? N / 2 : N) - n0), NB = (nrows + 15) / 16;
@@ -147,8 +150,8 @@ void run_blocks(const char* w, int64_t N, int64_t Kb, const uint16_t* x, int64_t
       block_pass_nbg(NB, G, wt, nrows, row_bytes, Kb, xt.data(), abuf, ct[0], pf, pf_lines);
       if constexpr (SILU) {
         const char* wu = wt + N / 2 * row_bytes;
-        block_pass_nbg(NB, G, wu, nrows, row_bytes, Kb, xt.data(), abuf, ct[1],
-                          pf ? wu + nrows * row_bytes : nullptr, pf_lines);
+        block_pass_nbg(NB, G, wu, nrows, row_bytes, Kb, xt.data(), abuf, ct[1], pf ? wu + nrows * row_bytes : nullptr,
+                       pf_lines);
       }
       for (int64_t b = 0; b < NB; ++b) {
         const int64_t cols = std::min<int64_t>(16, nrows - 16 * b);
@@ -183,10 +186,7 @@ torch::Tensor blocks_gemm(const torch::Tensor& x, const torch::Tensor& blocks, i
   TORCH_CHECK(!silu || N % 32 == 0, name, ": gate and up need a multiple of 16 rows each");
   if (!amx_usable()) {  // the same product through ATen: the dequantized matrix in bf16
     static const auto dequantize = op<torch::Tensor(const torch::Tensor&, int64_t, int64_t)>("pagedllm::dequantize");
-    auto y = at::linear(x, dequantize.call(blocks, BlockQ4_1::kType, K).to(at::kBFloat16));
-    if (!silu) return y;
-    auto g = y.narrow(1, 0, N / 2).to(at::kFloat);
-    return (g * at::sigmoid(g) * y.narrow(1, N / 2, N / 2).to(at::kFloat)).to(at::kBFloat16);
+    return linear_bf16_aten(x, dequantize.call(blocks, BlockQ4_1::kType, K).to(at::kBFloat16), silu);
   }
   auto y = torch::empty({M, silu ? N / 2 : N}, x.options());
 #ifdef PAGEDLLM_AMX

@@ -354,10 +354,7 @@ torch::Tensor amx_gemm(const torch::Tensor& x, const torch::Tensor& packed, int6
     else if (M > 0) dp_gemm<false>(xs, M, Kp, w, Nb, N, y.data_ptr<at::BFloat16>());
     return y;
 #else
-    auto y = at::linear(x, amx_unpack_bf16(packed, N, K));
-    if (!silu) return y;
-    auto g = y.narrow(1, 0, N / 2).to(at::kFloat);
-    return (g * at::sigmoid(g) * y.narrow(1, N / 2, N / 2).to(at::kFloat)).to(at::kBFloat16);
+    return linear_bf16_aten(x, amx_unpack_bf16(packed, N, K), silu);
 #endif
   }
   auto y = torch::empty({M, silu ? N / 2 : N}, x.options());

@@ -123,6 +123,16 @@ inline __m512 round_bf16(__m512 v) {
 #endif
 #endif
 
+// x @ w^T through ATen (bf16 in and out), with SILU silu(gate) * up of it (gate: w's first half of rows): what the
+// packed bf16 GEMMs (amx_gemm.cpp, amx_blocks.cpp) compute where a CPU or build has no kernel for them.
+inline torch::Tensor linear_bf16_aten(const torch::Tensor& x, const torch::Tensor& w, bool silu) {
+  auto y = at::linear(x, w);
+  if (!silu) return y;
+  const int64_t half = y.size(1) / 2;
+  auto g = y.narrow(1, 0, half).to(at::kFloat);
+  return (g * at::sigmoid(g) * y.narrow(1, half, half).to(at::kFloat)).to(at::kBFloat16);
+}
+
 // GGUF blocks of 32 weights (ggml's layout; kType: ggml's type number).
 struct BlockQ4_1 {  // w = d * q + m; byte j holds q of weight j (low nibble) and of weight j + 16 (high)
   static constexpr int kType = 3;
